@@ -1,0 +1,137 @@
+"""Ground truth for tests: an FP64 per-expert loop, random routings and output poisoning.
+
+Independent of the library's reference backend on purpose: it uses plain autograd on FP64 copies,
+with the activation written out here again from its definition.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+GATED = {"swiglu", "geglu", "gpt_oss_swiglu"}
+
+
+def activation_fp64(name: str, h: torch.Tensor, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT) -> torch.Tensor:
+    if name in GATED:
+        g, u = h.chunk(2, dim=-1)
+        if name == "swiglu":
+            return torch.nn.functional.silu(g) * u
+        if name == "geglu":
+            return torch.nn.functional.gelu(g) * u
+        g = torch.clamp(g, max=limit)
+        u = torch.clamp(u, -limit, limit)
+        return g * torch.sigmoid(alpha * g) * (u + 1)
+    if name == "srelu":
+        return torch.relu(h) ** 2
+    if name == "silu":
+        return torch.nn.functional.silu(h)
+    if name == "gelu":
+        return torch.nn.functional.gelu(h)
+    raise ValueError(name)
+
+
+def expert_mlp_fp64(x, counts, w1, w2, activation="swiglu", b1=None, b2=None, probs=None, alpha=GPT_OSS_ALPHA,
+                    limit=GPT_OSS_LIMIT, dy=None) -> Dict[str, Optional[torch.Tensor]]:
+    """FP64 forward (and backward when ``dy`` is given) by a Python loop over experts.
+
+    Returns a dict with ``y`` and, with ``dy``, the gradients ``x, w1, w2, b1, b2, probs``.
+    """
+    leaves = {}
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2), ("probs", probs)):
+        leaves[name] = None if t is None else t.detach().double().cpu().requires_grad_(dy is not None)
+    counts_list = [int(c) for c in counts.cpu().tolist()]
+    rows = []
+    start = 0
+    for e, n in enumerate(counts_list):
+        xe = leaves["x"][start:start + n]
+        h = xe @ leaves["w1"][e].T
+        if leaves["b1"] is not None:
+            h = h + leaves["b1"][e]
+        a = activation_fp64(activation, h, alpha, limit)
+        if leaves["probs"] is not None:
+            a = a * leaves["probs"][start:start + n, None]
+        ye = a @ leaves["w2"][e].T
+        if leaves["b2"] is not None:
+            ye = ye + leaves["b2"][e]
+        rows.append(ye)
+        start += n
+    pad = leaves["x"].shape[0] - start
+    rows.append(leaves["x"].new_zeros(pad, leaves["x"].shape[1]) + 0 * leaves["x"][start:].sum())
+    y = torch.cat(rows, dim=0)
+    out = {"y": y.detach()}
+    if dy is not None:
+        y.backward(dy.detach().double().cpu())
+        for name, t in leaves.items():
+            out[name] = None if t is None else (t.grad if t.grad is not None else torch.zeros_like(t))
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in FP64 (NaN anywhere gives NaN, which fails every bound)."""
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    denom = ref.norm().item()
+    num = (out - ref).norm().item()
+    if denom == 0.0:
+        return num
+    return num / denom
+
+
+def make_counts(num_tokens: int, num_experts: int, kind: str = "balanced", generator=None,
+                padding: int = 0) -> torch.Tensor:
+    """Tokens per expert summing to ``num_tokens - padding``.
+
+    kind: ``balanced`` (random multinomial), ``zipf`` (skewed, s=1.2), ``empty`` (about half the
+    experts get none), ``one`` (all tokens on one random expert).
+    """
+    g = generator
+    routed = num_tokens - padding
+    if routed < 0:
+        raise ValueError("padding larger than num_tokens")
+    if kind == "one":
+        counts = torch.zeros(num_experts, dtype=torch.int64)
+        counts[int(torch.randint(num_experts, (1,), generator=g))] = routed
+        return counts
+    if kind == "balanced":
+        weights = torch.ones(num_experts)
+    elif kind == "zipf":
+        ranks = torch.randperm(num_experts, generator=g).double() + 1
+        weights = (1.0 / ranks ** 1.2).float()
+    elif kind == "empty":
+        weights = (torch.rand(num_experts, generator=g) < 0.5).float()
+        if weights.sum() == 0:
+            weights[0] = 1
+    else:
+        raise ValueError(kind)
+    if routed == 0:
+        return torch.zeros(num_experts, dtype=torch.int64)
+    picks = torch.multinomial(weights, routed, replacement=True, generator=g)
+    return torch.bincount(picks, minlength=num_experts).to(torch.int64)
+
+
+def random_problem(T, H, F, E, activation="swiglu", dtype=torch.float32, device="cpu", bias=False, probs=False,
+                   routing="balanced", padding=0, seed=None, scale=1.0):
+    """Random (never zero) inputs with weights scaled like a real init (std ~ 1/sqrt(fan_in))."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(1 << 30, (1,))))
+    n1 = 2 * F if activation in GATED else F
+    x = torch.randn(T, H, generator=g) * scale
+    w1 = torch.randn(E, n1, H, generator=g) / math.sqrt(H)
+    w2 = torch.randn(E, H, F, generator=g) / math.sqrt(F)
+    b1 = torch.randn(E, n1, generator=g) * 0.1 if bias else None
+    b2 = torch.randn(E, H, generator=g) * 0.1 if bias else None
+    p = torch.rand(T, generator=g) + 0.05 if probs else None
+    counts = make_counts(T, E, routing, generator=g, padding=padding)
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype).contiguous()
+    return dict(x=to(x), tokens_per_expert=counts.to(device), w1=to(w1), w2=to(w2), b1=to(b1), b2=to(b2),
+                probs=None if p is None else p.to(device=device, dtype=torch.float32))
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a buffer with NaN so that any element a kernel fails to write shows up."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(-1)
