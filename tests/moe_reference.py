@@ -34,7 +34,7 @@ def activation_fp64(name: str, h: torch.Tensor, alpha=GPT_OSS_ALPHA, limit=GPT_O
     raise ValueError(name)
 
 
-def expert_mlp_fp64(x, counts, w1, w2, activation="swiglu", b1=None, b2=None, probs=None, alpha=GPT_OSS_ALPHA,
+def expert_mlp_fp64(x, tokens_per_expert, w1, w2, activation="swiglu", b1=None, b2=None, probs=None, alpha=GPT_OSS_ALPHA,
                     limit=GPT_OSS_LIMIT, dy=None) -> Dict[str, Optional[torch.Tensor]]:
     """FP64 forward (and backward when ``dy`` is given) by a Python loop over experts.
 
@@ -43,7 +43,7 @@ def expert_mlp_fp64(x, counts, w1, w2, activation="swiglu", b1=None, b2=None, pr
     leaves = {}
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2), ("probs", probs)):
         leaves[name] = None if t is None else t.detach().double().cpu().requires_grad_(dy is not None)
-    counts_list = [int(c) for c in counts.cpu().tolist()]
+    counts_list = [int(c) for c in tokens_per_expert.cpu().tolist()]
     rows = []
     start = 0
     for e, n in enumerate(counts_list):
