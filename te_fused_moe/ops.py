@@ -92,6 +92,7 @@ def validate_inputs(args: ExpertMLPArgs) -> None:
             f"tokens_per_expert: expected {experts} entries (one per expert, E from w1/w2), got {counts.shape[0]}"
         )
     _require_same_device("tokens_per_expert", counts, device)
+    _require_contiguous("tokens_per_expert", counts)  # kernels read it as a flat array on the device
 
     for name, bias, shape in (("b1", args.b1, (experts, n1)), ("b2", args.b2, (experts, hidden))):
         if bias is None:
