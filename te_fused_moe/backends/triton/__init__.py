@@ -1,0 +1,87 @@
+"""Triton backend: the fused, sync-free expert MLP tuned for Hopper (sm_90).
+
+Modules: ``schedule`` (device-side tile schedule), ``act_math`` (activation math in Triton),
+``grouped_gemm`` (FC1/FC2/dgrad kernels with epilogues), ``wgrad`` (variable-K grouped GEMM with
+fused bias gradients), ``autograd`` (the ``torch.autograd.Function``).
+
+On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..base import Availability, Backend, ExpertMLPArgs
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _triton_import_error():
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def availability(self, device: torch.device) -> Availability:
+        device = torch.device(device)
+        error = _triton_import_error()
+        if error is not None:
+            return Availability(False, f"backend='triton' needs the triton package ({error})")
+        if device.type == "cpu":
+            if os.environ.get("TRITON_INTERPRET", "0") == "1":
+                return Availability(True, "CPU via the Triton interpreter (TRITON_INTERPRET=1; tests only, slow)")
+            return Availability(False, "backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)")
+        if device.type != "cuda":
+            return Availability(False, f"backend='triton' needs a CUDA GPU, got device {device}")
+        if not torch.cuda.is_available():
+            return Availability(False, "backend='triton' needs a CUDA GPU, but torch.cuda is not available")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 9:
+            return Availability(
+                False,
+                f"backend='triton' needs compute capability >= 9.0 (tuned for Hopper sm_90; sm_{major}{minor} is "
+                f"untested), got sm_{major}{minor}",
+            )
+        return Availability(True, f"tuned for Hopper sm_90 (running on sm_{major}{minor})")
+
+    def supports(self, activation, recipe, dtype) -> Availability:
+        if dtype not in SUPPORTED_DTYPES:
+            return Availability(
+                False, f"backend='triton' needs bfloat16 or float16 tensors, got {dtype} (use backend='reference')"
+            )
+        recipe_name = getattr(recipe, "name", None) or type(recipe).__name__
+        if not _is_bf16_recipe(recipe):
+            return Availability(
+                False, f"backend='triton' implements the bf16 recipe only so far, got {recipe_name}"
+            )
+        from .act_math import ACT_IDS
+
+        if activation.name not in ACT_IDS:
+            return Availability(False, f"backend='triton' does not implement activation {activation.name!r}")
+        return Availability(True)
+
+    def forward(self, args: ExpertMLPArgs) -> torch.Tensor:
+        from .autograd import TritonExpertMLP
+
+        return TritonExpertMLP.apply(
+            args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs, args.activation,
+            bool(args.deterministic),
+        )
+
+
+def _is_bf16_recipe(recipe) -> bool:
+    if recipe is None:
+        return True
+    from ...recipes import BF16Recipe
+
+    return isinstance(recipe, BF16Recipe)
+
+
+BACKEND = TritonBackend()

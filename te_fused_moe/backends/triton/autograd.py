@@ -1,0 +1,94 @@
+"""The autograd Function of the Triton backend: 2 kernels forward, 4 backward.
+
+Forward:  FC1 (+b1, activation, x probs; saves pre-activation h) -> FC2 (+b2).
+Backward: FC2 dgrad with the dGLU epilogue (dh, dprob) -> FC1 dgrad (dx) -> wgrad of w2 (+db2) and
+of w1 (+db1).
+
+``h`` [T, N1] is saved rather than recomputed: storing it costs one extra write of T x N1 16-bit
+values in the FC1 epilogue (well under 1% of the FC1 GEMM's time at the benchmarked shapes), while
+recomputing it would cost a whole second FC1 GEMM in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import grouped_gemm as gg
+from .schedule import build_schedule
+from .wgrad import default_wgrad_config, grouped_wgrad
+
+
+def new_buffer(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """Uninitialised buffer for a kernel to fill (tests replace this to poison buffers with NaN)."""
+    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+class TritonExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, deterministic):
+        num_rows, hidden = x.shape
+        ffn = w2.shape[2]
+        gated = activation.gated
+        act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=gated)
+        h = new_buffer((num_rows, w1.shape[1]), x)
+        a = new_buffer((num_rows, ffn), x)
+        y = new_buffer((num_rows, hidden), x)
+        if num_rows > 0:
+            gg.fc1_forward(x, w1, tokens_per_expert, h, a, b1=b1, probs=probs, **act)
+            gg.fc2_forward(a, w2, tokens_per_expert, y, b2=b2)
+        ctx.save_for_backward(x, tokens_per_expert, w1, w2, probs, h, a)
+        ctx.act = act
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.deterministic = deterministic
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, counts, w1, w2, probs, h, a = ctx.saved_tensors
+        need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, deterministic
+        dy = dy.contiguous()
+        num_rows = x.shape[0]
+        num_experts, n1, hidden = w1.shape
+        dx = dw1 = dw2 = db1 = db2 = dprobs = None
+        if num_rows == 0:
+            zeros = lambda t, n: torch.zeros_like(t) if n else None
+            return (zeros(x, need[0]), None, zeros(w1, need[2]), zeros(w2, need[3]),
+                    torch.zeros((num_experts, n1), device=x.device, dtype=x.dtype) if need[4] else None,
+                    torch.zeros((num_experts, hidden), device=x.device, dtype=x.dtype) if need[5] else None,
+                    zeros(probs, need[6]) if probs is not None else None, None, None)
+
+        # dh and dprob (always needed unless nothing upstream of FC2's input wants a gradient)
+        need_dh = need[0] or need[2] or need[4]
+        want_dprob = probs is not None and need[6]
+        dh = None
+        if need_dh or want_dprob:
+            dh = new_buffer(h.shape, h)
+            cfg = gg.default_config(gg.MODE_ACT_BWD, ctx.act["gated"], w2.shape[2], hidden)
+            dprob_buf = None
+            if want_dprob:
+                if ctx.deterministic:
+                    parts = triton.cdiv(w2.shape[2], cfg.block_n)
+                    dprob_buf = new_buffer((parts, num_rows), x, torch.float32)
+                else:
+                    dprob_buf = torch.zeros((num_rows,), device=x.device, dtype=torch.float32)
+            gg.fc2_dgrad_dact(dy, w2, counts, h, dh, probs=probs, dprob=dprob_buf, config=cfg, **ctx.act)
+            if want_dprob:
+                total = dprob_buf.sum(0) if ctx.deterministic else dprob_buf
+                dprobs = total.to(probs.dtype)
+        if need[0]:
+            dx = new_buffer(x.shape, x)
+            gg.fc1_dgrad(dh, w1, counts, dx)
+
+        wcfg = default_wgrad_config(0, 0)
+        schedule = build_schedule(counts, num_rows, wcfg.block_m)
+        if need[3] or need[5]:
+            dw2 = new_buffer(w2.shape, w2)
+            db2 = new_buffer((num_experts, hidden), x) if ctx.has_b2 else None
+            grouped_wgrad(dy, a, schedule, dw2, db2)
+        if need[2] or need[4]:
+            dw1 = new_buffer(w1.shape, w1)
+            db1 = new_buffer((num_experts, n1), x) if ctx.has_b1 else None
+            grouped_wgrad(dh, x, schedule, dw1, db1)
+        return (dx, None, dw1 if need[2] else None, dw2 if need[3] else None,
+                db1 if need[4] else None, db2 if need[5] else None, dprobs, None, None)

@@ -1,0 +1,302 @@
+"""Grouped GEMM over expert row groups, with the MoE epilogues.
+
+One kernel template, three epilogues (``MODE``):
+
+- ``MODE_PLAIN``:   ``C = A @ B_e (+ bias_e)``                         FC2 forward, FC1 dgrad
+- ``MODE_ACT_FWD``: ``h = A @ W1_e^T + b1_e``; ``C = act(h) * p``; h saved      FC1 forward
+- ``MODE_ACT_BWD``: ``da = A @ W2_e``; ``C = dh = d act(h) * (da * p)``;
+  ``dprob = sum_n da * act(h)``                                     FC2 dgrad with dGLU
+
+``B_e`` is read through strides, so the same kernel reads ``w[e]`` or ``w[e]^T``. Gated FC1 keeps two
+accumulators per tile, gate columns ``n`` and up columns ``F + n`` of the same ``w1[e]``: no
+interleaved weight layout is needed.
+
+Tiles are mapped to (group, row start) on the device (see ``schedule.py``); programs past the last
+tile exit at once; the padding group writes zeros. A and B loads are unmasked along M and N: row and
+column indices are clamped into the tensor instead, and rows/columns that belong to another expert
+only feed output elements that the masked store drops. So the inner loop is mask-free when
+``K % BK == 0``.
+
+Interpreter note: Triton 3.6's CPU interpreter computes ``tl.dot`` on bf16 operands wrongly (it
+returned garbage in our tests) while FP32 dots are right, so ``UPCAST`` (set only when
+``TRITON_INTERPRET=1``) converts the dot operands to FP32. On the GPU the operands stay 16-bit so
+that the dot lowers to wgmma.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .act_math import ACT_IDS, act_backward, act_forward, to_output
+from .schedule import ROW_END, ROW_START, TILE_END, TILE_START, build_schedule, max_m_tiles
+
+MODE_PLAIN, MODE_ACT_FWD, MODE_ACT_BWD = 0, 1, 2
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+
+
+def default_config(mode: int, gated: bool, n: int, k: int) -> GemmConfig:
+    """Block sizes for sm_90 (wgmma wants BM=128, BK=64, 8 warps); interpreter gets small tiles."""
+    if interpreting():
+        return INTERPRET_CONFIG
+    if mode == MODE_ACT_FWD and gated:
+        return GemmConfig(block_n=128, num_stages=4)  # two 128-wide accumulators = a 256-wide tile
+    if mode == MODE_ACT_BWD:
+        return GemmConfig(block_n=128, num_stages=4)
+    return GemmConfig(block_n=256 if n >= 256 else 128, num_stages=3)
+
+
+@triton.jit
+def _find_group(pid_m, sched_ptr, NUM_GROUPS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Smallest group g with tile_end[g] > pid_m (NUM_GROUPS when pid_m is past the last tile)."""
+    lo = pid_m * 0
+    hi = lo + NUM_GROUPS
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = tl.minimum((lo + hi) // 2, NUM_GROUPS - 1)
+        tile_end = tl.load(sched_ptr + 1 * NUM_GROUPS + mid)
+        right = tile_end <= pid_m
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, stride_am, stride_ak,
+    b_ptr, stride_be, stride_bk, stride_bn, b_up_offset,
+    c_ptr, stride_cm, c_up_offset,
+    h_ptr, stride_hm, h_up_offset,
+    bias_ptr, stride_bias_e, bias_up_offset,
+    probs_ptr, dprob_ptr, stride_dprob_part,
+    sched_ptr,
+    T, N, K, alpha, limit,
+    NUM_GROUPS: tl.constexpr, SEARCH_STEPS: tl.constexpr, MAX_M_TILES: tl.constexpr,
+    MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BN)
+    pids_per_band = GROUP_M * num_pid_n
+    band = pid // pids_per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(MAX_M_TILES - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_band) % band_m
+    pid_n = (pid % pids_per_band) // band_m
+
+    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
+    if pid_m >= total_tiles:
+        return
+    group = _find_group(pid_m, sched_ptr, NUM_GROUPS, SEARCH_STEPS)
+    is_padding = group == NUM_GROUPS - 1
+    expert = tl.minimum(group, NUM_GROUPS - 2)
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
+
+    rows = row_start + (pid_m - tile_start) * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    rows_in = tl.minimum(rows, T - 1).to(tl.int64)
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+
+    a_ptrs = a_ptr + rows_in[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + cols_in[None, :] * stride_bn
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if GATED and MODE == 1:
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    k_tiles = tl.where(is_padding, 0, tl.cdiv(K, BK))
+    for kt in range(0, k_tiles):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kt * BK
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        if GATED and MODE == 1:
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + b_up_offset)
+            else:
+                b_up = tl.load(b_ptrs + b_up_offset, mask=offs_k[:, None] < k_left, other=0.0)
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BK * stride_ak
+        b_ptrs += BK * stride_bk
+
+    # --- epilogue, FP32
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    bias_mask = col_ok & (group < NUM_GROUPS - 1)
+    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :]
+    if MODE == 0:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        tl.store(c_ptrs, to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+    elif MODE == 1:
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+            if GATED:
+                bias_up = tl.load(bias_ptr + expert * stride_bias_e + bias_up_offset + cols, mask=bias_mask, other=0.0)
+                acc_up += bias_up.to(tl.float32)[None, :]
+        tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        if GATED:
+            tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+            value = act_forward(acc, acc_up, alpha, limit, ACT)
+        else:
+            value = act_forward(acc, acc, alpha, limit, ACT)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+            value = value * p[:, None]
+        value = tl.where(is_padding, 0.0, value)
+        tl.store(c_ptrs, to_output(value, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+    else:
+        # acc = da, the gradient of act(h) * p; read h, write dh (gate at n, up at F + n)
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
+        else:
+            u = g
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+            d_value = acc * p[:, None]
+        else:
+            d_value = acc
+        dg, du, value = act_backward(g, u, d_value, alpha, limit, ACT)
+        tl.store(c_ptrs, to_output(dg, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        if GATED:
+            tl.store(c_ptrs + c_up_offset, to_output(du, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        if HAS_PROBS:
+            part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)
+            if DPROB_PARTIALS:
+                tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
+            else:
+                tl.atomic_add(dprob_ptr + rows64, part, mask=row_ok)
+
+
+def launch(
+    mode: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_strides: tuple,
+    n: int,
+    k: int,
+    c: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    *,
+    b_up_offset: int = 0,
+    c_up_offset: int = 0,
+    h: Optional[torch.Tensor] = None,
+    h_up_offset: int = 0,
+    bias: Optional[torch.Tensor] = None,
+    bias_up_offset: int = 0,
+    probs: Optional[torch.Tensor] = None,
+    dprob: Optional[torch.Tensor] = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    gated: bool = False,
+    config: Optional[GemmConfig] = None,
+    schedule: Optional[torch.Tensor] = None,
+) -> None:
+    """Run one grouped GEMM: rows of ``a`` [T, k] grouped by ``tokens_per_expert``, ``B_e`` [k, n]
+    read from ``b`` at ``e * b_strides[0] + k * b_strides[1] + n * b_strides[2]``.
+
+    ``dprob`` is either ``[T]`` FP32 zeros (atomic row reduction) or ``[cdiv(n, BN), T]`` FP32 (one
+    partial per N tile, summed later in a fixed order: the deterministic path)."""
+    cfg = config or default_config(mode, gated, n, k)
+    num_rows = a.shape[0]
+    num_experts = tokens_per_expert.shape[0]
+    if schedule is None:
+        schedule = build_schedule(tokens_per_expert, num_rows, cfg.block_m)
+    num_groups = num_experts + 1
+    m_tiles = max_m_tiles(num_rows, num_experts, cfg.block_m)
+    grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
+    dummy = c
+    grouped_gemm_kernel[grid](
+        a, a.stride(0), a.stride(1),
+        b, b_strides[0], b_strides[1], b_strides[2], b_up_offset,
+        c, c.stride(0), c_up_offset,
+        h if h is not None else dummy, h.stride(0) if h is not None else 0, h_up_offset,
+        bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, bias_up_offset,
+        probs if probs is not None else dummy,
+        dprob if dprob is not None else dummy,
+        dprob.stride(0) if (dprob is not None and dprob.dim() == 2) else 0,
+        schedule,
+        num_rows, n, k, float(alpha), float(limit),
+        NUM_GROUPS=num_groups, SEARCH_STEPS=max(1, num_groups.bit_length()), MAX_M_TILES=m_tiles,
+        MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
+        HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
+        DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
+        EVEN_K=k % cfg.block_k == 0, UPCAST=interpreting(),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+# --- the four GEMMs of the expert MLP, with their operand layouts spelled out -------------------
+
+def fc1_forward(x, w1, tokens_per_expert, h, a, *, activation, alpha, limit, gated, b1=None, probs=None,
+                config=None):
+    """h = x @ w1[e]^T + b1[e] (saved for backward), a = act(h) * p. ``B_e[k, n] = w1[e, n, k]``."""
+    ffn = a.shape[1]
+    launch(MODE_ACT_FWD, x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), ffn, x.shape[1], a,
+           tokens_per_expert, b_up_offset=ffn * w1.stride(1), h=h, h_up_offset=ffn, bias=b1,
+           bias_up_offset=ffn, probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
+           config=config)
+
+
+def fc2_forward(a, w2, tokens_per_expert, y, *, b2=None, config=None):
+    """y = a @ w2[e]^T + b2[e]. ``B_e[k, n] = w2[e, n, k]``."""
+    launch(MODE_PLAIN, a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], a.shape[1], y,
+           tokens_per_expert, bias=b2, config=config)
+
+
+def fc2_dgrad_dact(dy, w2, tokens_per_expert, h, dh, *, activation, alpha, limit, gated, probs=None,
+                   dprob=None, config=None):
+    """da = dy @ w2[e]; dh = d act(h) * (da * p); dprob = sum_n da * act(h). ``B_e[k, n] = w2[e, k, n]``."""
+    ffn = w2.shape[2]
+    launch(MODE_ACT_BWD, dy, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), ffn, dy.shape[1], dh,
+           tokens_per_expert, c_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob,
+           activation=activation, alpha=alpha, limit=limit, gated=gated, config=config)
+
+
+def fc1_dgrad(dh, w1, tokens_per_expert, dx, *, config=None):
+    """dx = dh @ w1[e]. ``B_e[k, n] = w1[e, k, n]``."""
+    launch(MODE_PLAIN, dh, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), w1.shape[2], dh.shape[1], dx,
+           tokens_per_expert, config=config)

@@ -1,0 +1,40 @@
+"""Sync-free tile schedule of a grouped GEMM, built on the device from ``tokens_per_expert``.
+
+The rows of ``x`` form ``E + 1`` groups: one per expert, then a last *padding group* holding the
+rows past ``sum(counts)``. Kernels write zeros for the padding group, so outputs need no separate
+memset and padding rows get zero outputs and zero gradients.
+
+Everything here is a handful of tiny torch ops on the device: no host reads, no data-dependent
+shapes, so a call captures in a CUDA graph. The kernel grid is sized from the static worst case
+(:func:`max_m_tiles`), and each program finds its group by a binary search over ``tile_end``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Row indices of the [4, E + 1] int32 schedule table.
+TILE_START, TILE_END, ROW_START, ROW_END = range(4)
+
+
+def max_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of sum over the E + 1 groups of cdiv(rows_g, block_m)."""
+    return -(-num_rows // block_m) + num_experts + 1
+
+
+def build_schedule(tokens_per_expert: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """``[4, E + 1]`` int32 table: tile_start, tile_end, row_start, row_end of each group.
+
+    Row ranges are clamped to ``[0, num_rows]`` so that a bad ``tokens_per_expert`` (summing to more
+    than ``T``; caught only in debug mode) cannot make a kernel write out of bounds.
+    """
+    counts = tokens_per_expert.to(torch.int32)
+    expert_end = torch.cumsum(counts, 0, dtype=torch.int32).clamp_(max=num_rows)
+    padding = num_rows - expert_end[-1:]
+    row_end = torch.cat([expert_end, expert_end[-1:] + padding])
+    row_start = torch.cat([torch.zeros_like(row_end[:1]), row_end[:-1]])
+    rows = (row_end - row_start).clamp_(min=0)
+    tiles = (rows + (block_m - 1)) // block_m
+    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    tile_start = tile_end - tiles
+    return torch.stack([tile_start, tile_end, row_start, row_end]).contiguous()

@@ -1,0 +1,165 @@
+"""Triton backend on CPU, through Triton's interpreter (TRITON_INTERPRET=1).
+
+``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a kernel, i.e. when the backend module is
+first imported; other tests of the same pytest process may already have imported it compiled. So
+the kernels run in one fresh subprocess (:func:`_run_worker`) that checks every case against the
+FP64 reference and reports numbers as JSON; the tests below assert on those numbers.
+
+Every kernel buffer is poisoned with NaN (``autograd.new_buffer`` is replaced in the worker), so an
+element a kernel fails to write shows up as NaN in an error or an exact-zero check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (id, T, H, F, E, activation, bias, probs, routing, padding, dtype, deterministic)
+CASES = [
+    ("swiglu-e3", 96, 48, 40, 3, "swiglu", True, True, "balanced", 0, "bfloat16", False),
+    ("geglu-e3-pad", 80, 64, 32, 3, "geglu", True, True, "balanced", 7, "bfloat16", False),
+    ("gptoss-e5-empty", 128, 64, 48, 5, "gpt_oss_swiglu", True, True, "empty", 3, "bfloat16", False),
+    ("srelu-e3", 64, 48, 64, 3, "srelu", True, True, "zipf", 0, "bfloat16", False),
+    ("silu-e5-empty", 72, 32, 40, 5, "silu", True, True, "empty", 0, "bfloat16", False),
+    ("gelu-e1-pad", 50, 40, 24, 1, "gelu", True, True, "balanced", 9, "bfloat16", False),
+    ("swiglu-e1-nobias", 64, 64, 64, 1, "swiglu", False, False, "balanced", 0, "bfloat16", False),
+    ("swiglu-e5-one", 100, 48, 32, 5, "swiglu", False, True, "one", 4, "bfloat16", False),
+    ("gptoss-e3-bias-noprobs", 64, 48, 40, 3, "gpt_oss_swiglu", True, False, "zipf", 5, "bfloat16", False),
+    ("swiglu-e3-determ", 96, 48, 72, 3, "swiglu", True, True, "empty", 6, "bfloat16", True),
+    ("swiglu-e3-fp16", 96, 48, 40, 3, "swiglu", True, True, "balanced", 5, "float16", False),
+    ("srelu-e3-allpad", 32, 32, 32, 3, "srelu", True, True, "balanced", 32, "bfloat16", False),
+]
+GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
+# Relative error bounds vs FP64: BF16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3); the
+# outputs are rounded a few times on the way (h, a, y; dh, grads), so a few units of it.
+BOUND = {"bfloat16": 6e-3, "float16": 1e-3}
+
+
+def _worker() -> None:
+    """Runs in the subprocess: every case, forward and backward, vs the FP64 loop."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    from moe_reference import expert_mlp_fp64, poison_, random_problem, rel_err
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton import autograd as triton_autograd
+
+    real_new_buffer = triton_autograd.new_buffer
+    triton_autograd.new_buffer = lambda *a, **k: poison_(real_new_buffer(*a, **k))
+
+    results = {}
+    for case_id, T, H, F, E, act, bias, probs, routing, padding, dtype, determ in CASES:
+        p = random_problem(T, H, F, E, activation=act, dtype=getattr(torch, dtype), bias=bias, probs=probs,
+                           routing=routing, padding=padding)
+        leaves = {k: (v.clone().requires_grad_(True) if (k in GRADS and v is not None) else v) for k, v in p.items()}
+        y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation=act,
+                          b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend="triton",
+                          deterministic=determ)
+        dy = torch.randn(y.shape, dtype=y.dtype)
+        y.backward(dy)
+        ref = expert_mlp_fp64(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], act, p["b1"], p["b2"], p["probs"],
+                              dy=dy)
+        counts = p["tokens_per_expert"]
+        routed = int(counts.sum())
+        out = {"err": {"y": rel_err(y, ref["y"])}, "counts": counts.tolist()}
+        for name in GRADS:
+            if leaves[name] is not None:
+                out["err"][name] = rel_err(leaves[name].grad, ref[name])
+        # exact zeros: padding rows of y/dx/dprob, weight and bias grads of experts without tokens
+        zero_checks = {"y_pad": y[routed:], "dx_pad": leaves["x"].grad[routed:]}
+        if probs:
+            zero_checks["dprob_pad"] = leaves["probs"].grad[routed:]
+        empty = [e for e, c in enumerate(counts.tolist()) if c == 0]
+        for name in ("w1", "w2", "b1", "b2"):
+            if leaves[name] is not None and empty:
+                zero_checks[f"d{name}_empty"] = leaves[name].grad[empty]
+        out["nonzero"] = {k: int((v != 0).sum()) + int(torch.isnan(v).sum()) for k, v in zero_checks.items()}
+        out["empty_experts"] = empty
+        results[case_id] = out
+    print("RESULTS" + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS")][-1]
+    return json.loads(line[len("RESULTS"):])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_and_grads_match_fp64(interpreter_results, case):
+    res = interpreter_results[case[0]]
+    bound = BOUND[case[10]]
+    expected = {"y", "x", "w1", "w2"} | ({"b1", "b2"} if case[6] else set()) | ({"probs"} if case[7] else set())
+    assert set(res["err"]) == expected
+    for name, err in res["err"].items():
+        # all-padding inputs have an all-zero reference: rel_err then returns the absolute error
+        assert err <= bound, f"{case[0]}: {name} rel. error {err:.3g} > {bound} (counts {res['counts']})"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_padding_rows_and_empty_experts_are_exact_zeros(interpreter_results, case):
+    res = interpreter_results[case[0]]
+    assert res["nonzero"], "no zero checks ran"
+    for name, bad in res["nonzero"].items():
+        assert bad == 0, f"{case[0]}: {bad} non-zero/NaN elements in {name} (empty experts {res['empty_experts']})"
+
+
+def test_cases_cover_empty_experts_and_padding(interpreter_results):
+    assert any(res["empty_experts"] for res in interpreter_results.values())
+    assert any("dw1_empty" in res["nonzero"] for res in interpreter_results.values())
+
+
+def test_schedule_maps_tiles_to_groups():
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+
+    counts = torch.tensor([5, 0, 17, 3], dtype=torch.int64)
+    sched = build_schedule(counts, num_rows=40, block_m=8)
+    # groups: 4 experts + padding of 40 - 25 = 15 rows
+    assert sched.dtype == torch.int32 and tuple(sched.shape) == (4, 5)
+    assert sched[2].tolist() == [0, 5, 5, 22, 25]  # row_start
+    assert sched[3].tolist() == [5, 5, 22, 25, 40]  # row_end
+    assert sched[1].tolist() == [1, 1, 4, 5, 7]  # tile_end: cdiv(rows, 8) summed
+    assert sched[0].tolist() == [0, 1, 1, 4, 5]
+    assert int(sched[1, -1]) <= max_m_tiles(40, 4, 8)
+    # counts summing past T are clamped: no row range leaves [0, T]
+    bad = build_schedule(torch.tensor([30, 30]), num_rows=40, block_m=8)
+    assert int(bad[3].max()) <= 40 and int(bad[2].min()) >= 0
+
+
+def test_availability_and_errors_on_cpu(monkeypatch):
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.backends import get_backend
+    from te_fused_moe.recipes import as_recipe
+
+    backend = get_backend("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    verdict = backend.availability(torch.device("cpu"))
+    assert not verdict and "needs a CUDA GPU" in verdict.reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.availability(torch.device("cpu"))
+    bad_dtype = backend.supports(ActivationConfig("swiglu"), as_recipe(None), torch.float32)
+    assert not bad_dtype and "bfloat16 or float16" in bad_dtype.reason
+    assert backend.supports(ActivationConfig("geglu"), as_recipe("bf16"), torch.bfloat16)
+    assert not backend.supports(ActivationConfig("swiglu"), as_recipe("mxfp8"), torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    w1 = torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    w2 = torch.randn(2, 16, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="backend='triton' needs a CUDA GPU"):
+        fused_moe_mlp(x, torch.tensor([4, 4]), w1, w2, backend="triton")
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
