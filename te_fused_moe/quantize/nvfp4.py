@@ -1,0 +1,216 @@
+"""NVFP4: E2M1 values, one E4M3 scale per 16 consecutive elements along ``axis`` (or per 16x16
+tile with ``block_2d``), and one float32 scale per tensor.
+
+Rules (TE's CUDA kernels ``transformer_engine/common/cast/nvfp4/core_nvfp4.cuh`` and
+``quantize_transpose_nvfp4.cuh``; TE's PyTorch reference
+``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py`` computes the same numbers):
+
+1. The input is rounded to float32. ``global_amax`` = max |x| over the whole tensor, NaN skipped
+   (or the caller's ``global_amax``). Tensor encode scale
+   ``S_enc = 448 * 6 / global_amax`` (float32 division), capped at FLT_MAX, and ``S_enc = 1``
+   when ``global_amax`` is 0 or Inf (``compute_global_encode_scaling_factor_FP4``);
+   ``S_dec = 1 / S_enc`` (float32).
+2. Block decode scale: ``s = e4m3(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX))`` — two float32
+   multiplies in that order, then the E4M3 cast (round to nearest even, satfinite: > 448 -> 448;
+   ``compute_decoding_scaling_factor``). block_amax skips NaN; 2D tiles take the amax of the
+   16x16 tile and every row of the tile shares the scale.
+3. Block encode multiplier ``r = min(1 / (float(s) * S_dec), FLT_MAX)`` (float32; ``s == 0``
+   gives FLT_MAX), elements ``e2m1(x * r)``: round to nearest even, satfinite to ±6, NaN -> +6,
+   sign of zero kept (``cvt.rn.satfinite.e2m1x2.f32``). With stochastic rounding the E2M1 step is
+   TE's ``stochastic_round_fp4_e2m1`` (``common/util/ptx.cuh``) fed with 8 random bits per element
+   (``random_bits``, or drawn from ``generator``); TE draws its bits from Philox, so only the
+   distribution, not the draw, matches TE.
+
+Lengths not a multiple of 16 (and, for 2D tiles, row counts not a multiple of 16) end with a
+short block: zero padding, which never changes an amax.
+
+Layout: ``data`` is uint8 with the input's shape except ``axis``, which holds ``ceil(n/2)``
+bytes: element ``2j`` along ``axis`` is the low nibble (bits 0-3) of byte ``j`` and element
+``2j+1`` the high nibble (bits 4-7), as TE packs FP4 pairs; an odd ``n`` leaves a zero high
+nibble. Codes: bit 3 sign, bits 2-1 exponent, bit 0 mantissa. ``scale`` (torch.float8_e4m3fn)
+has the input's shape with ``axis`` divided by 16 (rounded up); with ``block_2d`` (2-D input
+only) both dimensions are divided by 16. ``global_scale`` is ``S_dec`` (float32 scalar tensor) and
+``global_amax`` the amax used.
+
+Dequantize follows TE's ``dequantize_nvfp4.cuh``: ``e2m1 * (float(s) * global_amax *
+fp32(1/2688))`` in float32; in float64 the same product is formed without float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from . import formats
+from .blocks import (
+    ceil_div,
+    float32_input,
+    from_blocks_1d,
+    from_blocks_2d,
+    normalize_axis,
+    to_blocks_1d,
+    to_blocks_2d,
+)
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+
+
+@dataclasses.dataclass
+class NVFP4Tensor:
+    data: torch.Tensor  # uint8, two E2M1 codes per byte along axis (low nibble first)
+    scale: torch.Tensor  # float8_e4m3fn block decode scales
+    global_scale: torch.Tensor  # float32 scalar: S_dec = 1 / S_enc
+    global_amax: torch.Tensor  # float32 scalar the scales were computed from
+    axis: int
+    shape: Tuple[int, ...]
+    block_2d: bool = False
+
+
+def global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc`` for a float32 ``global_amax`` (rule 1 of the module doc)."""
+    s_enc = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=global_amax.device) / global_amax
+    s_enc = torch.clamp(s_enc, max=formats.FLOAT32_MAX)
+    degenerate = (global_amax == 0) | (s_enc == 0)
+    return torch.where(degenerate, torch.ones_like(s_enc), s_enc)
+
+
+def quantize(
+    t: torch.Tensor,
+    axis: int = -1,
+    block_2d: bool = False,
+    stochastic_rounding: bool = False,
+    generator: Optional[torch.Generator] = None,
+    global_amax: Optional[torch.Tensor] = None,
+    *,
+    random_bits: Optional[torch.Tensor] = None,
+) -> NVFP4Tensor:
+    """NVFP4-quantize ``t`` along ``axis`` (rules in the module doc).
+
+    ``global_amax``: float32 scalar tensor (or float) to use instead of max |t| — e.g. the amax
+    of a whole tensor when quantizing a slice. ``random_bits``: uint8 tensor of ``t``'s shape with
+    the 8 stochastic-rounding bits of each element; drawn from ``generator`` when omitted."""
+    x = float32_input("t", t)
+    axis = normalize_axis("axis", axis, x.dim())
+    if block_2d and x.dim() != 2:
+        raise ValueError(f"t: 2D 16x16 blocks need a 2-D tensor, got shape {tuple(x.shape)}")
+    amax = _global_amax(x, global_amax)
+    s_enc = global_encode_scale(amax)
+    s_dec = torch.tensor(1.0, dtype=torch.float32, device=x.device) / s_enc
+
+    if block_2d:
+        tiles = to_blocks_2d(x, axis, BLOCK)  # (rb, 16, cb, 16)
+        block_amax = formats.nan_ignoring_amax(tiles, dim=(1, 3))[:, None, :, None]
+    else:
+        tiles = to_blocks_1d(x, axis, BLOCK)  # (..., nb, 16)
+        block_amax = formats.nan_ignoring_amax(tiles, dim=-1).unsqueeze(-1)
+
+    multiplier = s_enc * torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=x.device)
+    decode_scale = torch.clamp(block_amax * multiplier, max=formats.FLOAT32_MAX)
+    scale_codes = formats.encode(decode_scale, formats.E4M3)
+    scale_values = formats.decode(scale_codes, formats.E4M3)
+    encode_multiplier = torch.clamp(1.0 / (scale_values * s_dec), max=formats.FLOAT32_MAX)
+    scaled = tiles * encode_multiplier
+
+    if stochastic_rounding:
+        bits = _random_bits(x, axis, block_2d, generator, random_bits)
+        codes = formats.stochastic_round_e2m1(scaled, bits)
+    else:
+        if random_bits is not None:
+            raise ValueError("random_bits: only used with stochastic_rounding=True")
+        codes = formats.encode(scaled, formats.E2M1)
+
+    n = x.shape[axis]
+    if block_2d:
+        moved_rows = x.shape[1 - axis]
+        codes = from_blocks_2d(codes, axis, moved_rows, n)
+        scale = scale_codes[:, 0, :, 0]  # (row tiles, col tiles) of the moved layout
+        scale = scale.movedim(-1, axis)
+    else:
+        codes = from_blocks_1d(codes, axis, n)
+        scale = scale_codes.squeeze(-1).movedim(-1, axis)
+    return NVFP4Tensor(
+        data=pack_e2m1(codes, axis),
+        scale=formats.codes_to_fp8(scale.contiguous(), formats.E4M3),
+        global_scale=s_dec,
+        global_amax=amax,
+        axis=axis,
+        shape=tuple(x.shape),
+        block_2d=block_2d,
+    )
+
+
+def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
+    if global_amax is None:
+        if x.numel() == 0:
+            return torch.zeros((), dtype=torch.float32, device=x.device)
+        return formats.nan_ignoring_amax(x.reshape(-1), dim=0)
+    if isinstance(global_amax, (int, float)) and not isinstance(global_amax, bool):
+        return torch.tensor(float(global_amax), dtype=torch.float32, device=x.device)
+    if not isinstance(global_amax, torch.Tensor) or global_amax.numel() != 1:
+        raise ValueError("global_amax: expected a float or a one-element tensor")
+    if global_amax.device != x.device:
+        raise ValueError(f"global_amax: expected a tensor on {x.device}, got one on {global_amax.device}")
+    return global_amax.reshape(()).to(torch.float32)
+
+
+def _random_bits(x, axis, block_2d, generator, random_bits) -> torch.Tensor:
+    if random_bits is None:
+        random_bits = torch.randint(0, 256, x.shape, generator=generator, dtype=torch.uint8, device=x.device)
+    elif not isinstance(random_bits, torch.Tensor) or random_bits.dtype != torch.uint8 or random_bits.shape != x.shape:
+        raise ValueError(f"random_bits: expected a uint8 tensor of shape {tuple(x.shape)}")
+    elif random_bits.device != x.device:
+        raise ValueError(f"random_bits: expected a tensor on {x.device}, got one on {random_bits.device}")
+    # Padded elements are zeros and round to zero whatever their bits are.
+    if block_2d:
+        return to_blocks_2d(random_bits, axis, BLOCK)
+    return to_blocks_1d(random_bits, axis, BLOCK)
+
+
+def pack_e2m1(codes: torch.Tensor, axis: int) -> torch.Tensor:
+    """Pack uint8 E2M1 codes two per byte along ``axis`` (element 2j low nibble)."""
+    moved = codes.movedim(axis, -1)
+    if moved.shape[-1] % 2:
+        moved = torch.nn.functional.pad(moved, (0, 1))
+    packed = moved[..., 0::2] | (moved[..., 1::2] << 4)
+    return packed.movedim(-1, axis).contiguous()
+
+
+def unpack_e2m1(data: torch.Tensor, axis: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_e2m1`: uint8 codes, ``n`` along ``axis``."""
+    moved = data.movedim(axis, -1)
+    codes = torch.stack((moved & 0xF, moved >> 4), dim=-1).reshape(*moved.shape[:-1], -1)
+    return codes[..., :n].movedim(-1, axis)
+
+
+def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of ``q`` in ``dtype`` (float32 or float64), TE's ``dequantize_nvfp4.cuh`` formula."""
+    if not isinstance(q, NVFP4Tensor):
+        raise TypeError(f"q: expected an NVFP4Tensor, got {type(q).__name__}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
+    axis, n = q.axis, q.shape[q.axis]
+    values = formats.decode(unpack_e2m1(q.data, axis, n), formats.E2M1, dtype)
+    scale = formats.decode(q.scale.view(torch.uint8), formats.E4M3, dtype)
+    if dtype == torch.float32:
+        factor = torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32, device=values.device)
+        block_factor = scale * q.global_amax.to(torch.float32) * factor
+    else:
+        block_factor = scale * q.global_amax.to(torch.float64) / (E2M1_MAX * E4M3_MAX)
+    if q.block_2d:
+        tiles = to_blocks_2d(values, axis, BLOCK)
+        moved_factor = block_factor.movedim(axis, -1)[:, None, :, None]
+        return from_blocks_2d(tiles * moved_factor, axis, q.shape[1 - axis], n).contiguous()
+    blocks = to_blocks_1d(values, axis, BLOCK)
+    return from_blocks_1d(blocks * block_factor.movedim(axis, -1).unsqueeze(-1), axis, n).contiguous()
+
+
+def expected_scale_shape(shape, axis: int, block_2d: bool) -> Tuple[int, ...]:
+    out = list(shape)
+    out[axis] = ceil_div(shape[axis], BLOCK)
+    if block_2d:
+        out[1 - axis] = ceil_div(shape[1 - axis], BLOCK)
+    return tuple(out)
