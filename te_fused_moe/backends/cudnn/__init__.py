@@ -1,0 +1,102 @@
+"""``backend="cudnn"``: cuDNN Frontend's CuTe-DSL fused grouped GEMM kernels (Blackwell, SM100+).
+
+Forward: one GLU kernel (FC1 grouped GEMM + bias + GLU + router prob) then one grouped GEMM (FC2 +
+bias). Backward: one dGLU kernel (FC2 dgrad + dGLU + dprob + dbias1), one grouped GEMM (FC1 dgrad)
+and two grouped wgrad GEMMs. Layouts are prepared on the device (see :mod:`.layouts`); the kernels
+read the group offsets on the device, so nothing syncs with the host.
+
+What runs where:
+
+* Only CUDA devices with compute capability major >= 10 and nvidia-cudnn-frontend >= 1.32 whose
+  entry points pass :func:`.api.check_signatures`. On Hopper (sm_90) ``backend="auto"`` uses our
+  Triton kernels instead.
+* Activations: ``swiglu`` and ``gpt_oss_swiglu`` (cuDNN's ``"geglu"``: clamped, alpha 1.702,
+  limit 7, +1 on up — the only alpha/limit its BF16 forward accepts). cuDNN FE has no plain GeGLU,
+  SiLU or GELU kernels. Its squared-ReLU kernels are block-scaled only (FP8/FP4 operands).
+* Recipes: BF16. cuDNN FE also has MXFP8 (E8M0 per 32) and NVFP4 (E4M3 per 16) block-scaled
+  variants of these kernels; :mod:`.layouts` builds their scale-factor atoms, but driving them is
+  not wired here yet, so ``supports`` refuses those recipes (and ``srelu``) with that reason rather
+  than claim numbers nobody has checked on SM100.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...activations import GPT_OSS_ALPHA, GPT_OSS_LIMIT, ActivationConfig
+from ...recipes import BF16Recipe, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
+from ..base import Availability, Backend, ExpertMLPArgs
+from . import api
+
+MIN_MAJOR = 10
+GLU_ACTIVATIONS = {"swiglu": "swiglu", "gpt_oss_swiglu": "geglu"}  # ours -> cuDNN FE's act_func
+
+
+def _capability_reason(major: int, minor: int) -> str:
+    found = f"sm_{major}{minor}"
+    reason = f"cuDNN Frontend's fused grouped GEMM kernels need SM100+ (found {found})"
+    if major == 9:
+        return reason + "; backend='auto' uses 'triton' on Hopper"
+    return reason + "; backend='auto' uses the next backend that can run here"
+
+
+class CudnnBackend(Backend):
+    name = "cudnn"
+
+    def availability(self, device: torch.device) -> Availability:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return Availability(False, f"cuDNN Frontend's fused grouped GEMM kernels run on CUDA GPUs, not {device.type}")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < MIN_MAJOR:
+            return Availability(False, _capability_reason(major, minor))
+        namespace, why = api.load()
+        if namespace is None:
+            return Availability(False, why)
+        return Availability(True)
+
+    def supports(self, activation: ActivationConfig, recipe: Recipe, dtype: torch.dtype) -> Availability:
+        if activation.name not in GLU_ACTIVATIONS:
+            if activation.name == "srelu":
+                return Availability(
+                    False,
+                    "srelu: cuDNN Frontend's squared-ReLU grouped kernels take only block-scaled (FP8/FP4) operands, "
+                    "which this backend does not drive yet",
+                )
+            return Availability(
+                False,
+                f"activation {activation.name!r}: cuDNN Frontend has fused grouped GEMM kernels only for "
+                f"swiglu, gpt_oss_swiglu (its 'geglu') and srelu",
+            )
+        if activation.name == "gpt_oss_swiglu" and (
+            activation.alpha != GPT_OSS_ALPHA or activation.limit != GPT_OSS_LIMIT
+        ):
+            return Availability(
+                False,
+                f"gpt_oss_swiglu with alpha={activation.alpha}, limit={activation.limit}: cuDNN Frontend's BF16 GLU "
+                f"kernel fixes alpha={GPT_OSS_ALPHA}, limit={GPT_OSS_LIMIT}",
+            )
+        if isinstance(recipe, Float8BlockScaling):
+            return Availability(False, "recipe fp8_block: cuDNN Frontend's grouped kernels take MX/NV block scales "
+                                       "(1x32/1x16), not 128-element FP8 blocks")
+        if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)):
+            return Availability(
+                False,
+                f"recipe {recipe.name}: cuDNN Frontend has block-scaled variants of these kernels but this backend "
+                f"drives only the BF16 ones so far",
+            )
+        if not isinstance(recipe, BF16Recipe):
+            return Availability(False, f"recipe {recipe.name!r} is not supported by the cudnn backend")
+        if dtype != torch.bfloat16:
+            return Availability(False, f"dtype {dtype}: cuDNN Frontend's BF16 grouped GEMM kernels take bfloat16 operands")
+        return Availability(True)
+
+    def forward(self, args: ExpertMLPArgs) -> torch.Tensor:
+        from .kernels import cudnn_expert_mlp  # imports cuDNN FE only when a call actually runs here
+
+        return cudnn_expert_mlp(args)
+
+
+BACKEND = CudnnBackend()
+
+__all__ = ["BACKEND", "CudnnBackend"]

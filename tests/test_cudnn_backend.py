@@ -1,0 +1,388 @@
+"""cuDNN backend on CPU: operand layouts, availability/supports, and the autograd glue.
+
+No SM100 GPU is reachable from this project, so the kernels themselves are exercised only by
+tests/gpu/test_cudnn_sm100.py (which skips below compute capability 10). Here:
+
+* layouts: padded group offsets, the gate/up 32-column interleave, the 128x4 scale-factor atoms —
+  each against an independent formula written in this file;
+* availability / supports / ``auto`` with the GPU capability simulated by monkeypatching;
+* the backend's forward/backward glue (padding, re-layouts, gradient assembly) run against
+  ``DocumentedKernelEmulator``, a PyTorch stand-in that computes what cuDNN Frontend's docs say
+  each wrapper computes, and that leaves every row it does not own as NaN. It is a stand-in for
+  the kernels' documented contract, not a test of the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_reference import expert_mlp_fp64, random_problem, rel_err
+from te_fused_moe.activations import ActivationConfig
+from te_fused_moe.backends import ExpertMLPArgs, select_backend
+from te_fused_moe.backends.cudnn import BACKEND, api, kernels, layouts
+from te_fused_moe.quantize import mxfp8, nvfp4
+from te_fused_moe.recipes import BF16Recipe, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+
+GEN = torch.Generator().manual_seed(20261202)
+
+
+def _random_counts(experts, high=700):
+    counts = torch.randint(0, high, (experts,), generator=GEN)
+    counts[torch.rand(experts, generator=GEN) < 0.3] = 0  # some empty experts every time
+    return counts
+
+
+# --------------------------------------------------------------------------- padded groups
+
+@pytest.mark.parametrize("experts", [1, 3, 8, 17])
+def test_padded_offsets_match_a_python_loop(experts):
+    for _ in range(5):
+        counts = _random_counts(experts)
+        expected, end = [], 0
+        for c in counts.tolist():
+            end += -(-c // 256) * 256
+            expected.append(end)
+        got = layouts.padded_offsets(counts)
+        assert got.dtype == torch.int32 and got.tolist() == expected
+        assert layouts.padded_offsets(counts.to(torch.int32)).tolist() == expected
+
+
+@pytest.mark.parametrize("experts", [1, 4, 9])
+def test_padded_row_index_places_each_row_in_its_groups_padded_block(experts):
+    for padding in (0, 7):
+        counts = _random_counts(experts, high=400)
+        tokens = int(counts.sum()) + padding
+        index = layouts.padded_row_index(counts, tokens).tolist()
+        bound = layouts.padded_rows_bound(tokens, experts)
+        expected, row, padded_start = [], 0, 0
+        for c in counts.tolist():
+            expected += [padded_start + i for i in range(c)]
+            row += c
+            padded_start += -(-c // 256) * 256
+        assert padded_start <= bound and bound % 256 == 0
+        expected += [bound - 1] * padding
+        assert index == expected
+        if padding:
+            assert padded_start <= bound - 1  # the spare row is outside every group
+
+        x = torch.randn(tokens, 5, generator=GEN)
+        padded = layouts.scatter_to_padded(x, torch.tensor(index), bound)
+        assert padded.shape == (bound, 5)
+        routed = tokens - padding
+        assert torch.equal(layouts.gather_from_padded(padded, torch.tensor(index))[:routed], x[:routed])
+        assert layouts.valid_row_mask(counts, tokens).tolist() == [True] * routed + [False] * padding
+
+
+def test_kernel_offsets_give_an_all_empty_routing_one_block():
+    # cuDNN FE requires the last end offset in (0, M]; an all-empty routing becomes one zero block.
+    assert kernels.kernel_offsets(torch.zeros(4, dtype=torch.int64)).tolist() == [0, 0, 0, 256]
+    assert kernels.kernel_offsets(torch.tensor([0, 300, 0])).tolist() == [0, 512, 512]
+
+
+# --------------------------------------------------------------------------- gate/up interleave
+
+def test_interleave_round_trip_and_block_positions():
+    e, f, h = 2, 96, 5
+    w = torch.randn(e, 2 * f, h, generator=GEN)
+    inter = layouts.interleave_glu(w, dim=1)
+    assert torch.equal(layouts.deinterleave_glu(inter, dim=1), w)
+    for i in range(2 * f):
+        block, col = divmod(i, 32)
+        half, pair = block % 2, block // 2  # even blocks gate, odd blocks up
+        assert torch.equal(inter[:, i], w[:, half * f + pair * 32 + col])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        layouts.interleave_glu(torch.zeros(3, 2 * 48), dim=1)
+
+
+def _documented_glu(c, act):
+    """cuDNN FE GLU epilogue on an interleaved C: 32-column pairs, even block gate, odd block up
+    (kernel moe_grouped_gemm_glu_bias.py; TE's SwiGLU(glu_interleave_size=32) docs)."""
+    out = []
+    for b in range(c.shape[1] // 64):
+        gate, up = c[:, 64 * b:64 * b + 32], c[:, 64 * b + 32:64 * b + 64]
+        if act == "swiglu":
+            out.append(up * gate * torch.sigmoid(gate))
+        else:  # cuDNN "geglu" = GPT-OSS clamped SwiGLU
+            g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+            out.append((u + 1) * g * torch.sigmoid(1.702 * g))
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gpt_oss_swiglu"])
+def test_interleaved_weights_feed_the_glu_epilogue_what_our_activation_expects(act):
+    f, h = 64, 16
+    x = torch.randn(11, h, generator=GEN, dtype=torch.float64) * 3
+    w1 = torch.randn(2 * f, h, generator=GEN, dtype=torch.float64)
+    b1 = torch.randn(2 * f, generator=GEN, dtype=torch.float64)
+    ours = ActivationConfig(act).forward(x @ w1.T + b1)
+    c = x @ layouts.interleave_glu(w1, dim=0).T + layouts.interleave_glu(b1, dim=0)
+    assert torch.allclose(_documented_glu(c, "swiglu" if act == "swiglu" else "geglu"), ours, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- scale-factor atoms
+
+def _atom_offset(l, r, c, row_tiles, col_tiles):
+    """Byte offset of logical scale (l, r, c) in the 128x4 atom layout (cuBLAS block-scaling docs:
+    128x4 tiles of 512 bytes, row-major over tiles; inside, offset (r%32)*16 + (r//32 % 4)*4 + c%4)."""
+    tile = (l * row_tiles + r // 128) * col_tiles + c // 4
+    return tile * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + (c % 4)
+
+
+def _check_swizzle(scales_bytes):
+    batch, rows, cols = scales_bytes.shape
+    atoms = layouts.swizzle_scales(scales_bytes)
+    row_tiles, col_tiles = -(-rows // 128), -(-cols // 4)
+    assert tuple(atoms.shape) == layouts.swizzled_scale_shape(rows, cols, batch)
+    flat = atoms.reshape(-1)
+    l, r, c = torch.meshgrid(torch.arange(batch), torch.arange(rows), torch.arange(cols), indexing="ij")
+    offsets = _atom_offset(l, r, c, row_tiles, col_tiles).reshape(-1)
+    assert torch.equal(flat[offsets], scales_bytes.reshape(-1))
+    unused = torch.ones(flat.numel(), dtype=torch.bool)
+    unused[offsets] = False
+    assert bool((flat[unused] == 0).all())  # atom padding is zero-filled
+    assert torch.equal(layouts.unswizzle_scales(atoms, rows, cols), scales_bytes)
+
+
+@pytest.mark.parametrize("rows,k", [(130, 96), (256, 512), (7, 32)])
+def test_mxfp8_scales_swizzle_to_the_atom_layout(rows, k):
+    x = torch.randn(rows, k, generator=GEN) * torch.rand(rows, 1, generator=GEN) * 100
+    q = mxfp8.quantize(x, axis=-1)
+    assert q.scale.dtype == torch.uint8 and q.scale.shape == (rows, k // 32)
+    _check_swizzle(q.scale.unsqueeze(0))
+    # Dequantizing with scales read back through the atom layout gives the quantizer's own result.
+    atoms = layouts.swizzle_scales(q.scale)
+    back = layouts.unswizzle_scales(atoms, rows, k // 32)[0]
+    deq = q.data.float() * torch.exp2(back.float() - 127).repeat_interleave(32, dim=1)
+    assert torch.equal(deq, mxfp8.dequantize(q))
+
+
+@pytest.mark.parametrize("rows,k", [(200, 64), (128, 48)])
+def test_nvfp4_scales_swizzle_to_the_atom_layout(rows, k):
+    x = torch.randn(3, rows, k, generator=GEN)
+    scales = torch.stack([nvfp4.quantize(x[i], axis=-1).scale for i in range(3)])
+    assert scales.dtype == torch.float8_e4m3fn and scales.shape == (3, rows, k // 16)
+    _check_swizzle(scales.view(torch.uint8))
+    atoms = layouts.swizzle_scales(scales)  # float8 scales directly, same bytes
+    assert atoms.dtype == torch.float8_e4m3fn
+    assert torch.equal(atoms.view(torch.uint8), layouts.swizzle_scales(scales.view(torch.uint8)))
+
+
+# --------------------------------------------------------------------------- availability, supports, auto
+
+def _fake_gpu(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_hopper_is_refused_with_the_plain_reason(monkeypatch):
+    _fake_gpu(monkeypatch, (9, 0))
+    verdict = BACKEND.availability(torch.device("cuda", 0))
+    assert not verdict
+    assert verdict.reason == (
+        "cuDNN Frontend's fused grouped GEMM kernels need SM100+ (found sm_90); backend='auto' uses 'triton' on Hopper"
+    )
+    _fake_gpu(monkeypatch, (8, 0))
+    assert BACKEND.availability(torch.device("cuda", 0)).reason.startswith(
+        "cuDNN Frontend's fused grouped GEMM kernels need SM100+ (found sm_80)")
+    assert "CUDA GPUs, not cpu" in BACKEND.availability(torch.device("cpu")).reason
+
+
+def test_blackwell_without_cudnn_frontend_says_what_is_missing(monkeypatch):
+    _fake_gpu(monkeypatch, (10, 0))
+    monkeypatch.setattr(api, "load", lambda: (None, "nvidia-cudnn-frontend is not installed (pip install ...)"))
+    verdict = BACKEND.availability(torch.device("cuda", 0))
+    assert not verdict and "nvidia-cudnn-frontend is not installed" in verdict.reason
+
+
+def test_auto_picks_triton_on_hopper(monkeypatch):
+    _fake_gpu(monkeypatch, (9, 0))
+    chosen = select_backend("auto", torch.device("cuda", 0), ActivationConfig("swiglu"), BF16Recipe(), torch.bfloat16)
+    assert chosen.name == "triton"
+    with pytest.raises(RuntimeError, match=r"need SM100\+ \(found sm_90\)"):
+        select_backend("cudnn", torch.device("cuda", 0), ActivationConfig("swiglu"), BF16Recipe(), torch.bfloat16)
+
+
+def test_supports_matrix():
+    bf16 = BF16Recipe()
+    assert BACKEND.supports(ActivationConfig("swiglu"), bf16, torch.bfloat16)
+    assert BACKEND.supports(ActivationConfig("gpt_oss_swiglu"), bf16, torch.bfloat16)
+    refused = [
+        (ActivationConfig("geglu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
+        (ActivationConfig("silu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
+        (ActivationConfig("gelu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
+        (ActivationConfig("srelu"), bf16, torch.bfloat16, "block-scaled"),
+        (ActivationConfig("gpt_oss_swiglu", limit=10.0), bf16, torch.bfloat16, "fixes alpha=1.702, limit=7.0"),
+        (ActivationConfig("swiglu"), Float8BlockScaling(), torch.bfloat16, "not 128-element FP8 blocks"),
+        (ActivationConfig("swiglu"), MXFP8BlockScaling(), torch.bfloat16, "drives only the BF16 ones"),
+        (ActivationConfig("swiglu"), NVFP4BlockScaling(), torch.bfloat16, "drives only the BF16 ones"),
+        (ActivationConfig("swiglu"), bf16, torch.float16, "take bfloat16 operands"),
+    ]
+    for act, recipe, dtype, why in refused:
+        verdict = BACKEND.supports(act, recipe, dtype)
+        assert not verdict and why in verdict.reason, (act, recipe, verdict)
+
+
+def test_signature_check_names_the_missing_parameter():
+    def entry(*names):
+        params = ", ".join(names)
+        namespace = {}
+        exec(f"def f({params}): pass", namespace)  # a function with exactly these parameters
+        return namespace["f"]
+
+    full = {name: entry(*params) for name, params in api.REQUIRED_PARAMETERS.items()}
+    classes = {name: type(name, (), {}) for name in api.REQUIRED_CLASSES}
+    assert api.check_signatures(SimpleNamespace(**full, **classes)) == (True, "")
+    params = [p for p in api.REQUIRED_PARAMETERS["grouped_gemm_dglu_wrapper_sm100"] if p != "dprob_tensor"]
+    broken = dict(full, grouped_gemm_dglu_wrapper_sm100=entry(*params))
+    ok, reason = api.check_signatures(SimpleNamespace(**broken, **classes))
+    assert not ok and "grouped_gemm_dglu_wrapper_sm100 lacks parameter(s) ['dprob_tensor']" in reason
+    ok, reason = api.check_signatures(SimpleNamespace(**full))
+    assert not ok and "GroupedGemmGluSm100 is missing" in reason
+
+
+def test_shape_limits_are_explained():
+    args = ExpertMLPArgs(x=torch.zeros(4, 16), tokens_per_expert=torch.tensor([4]), w1=torch.zeros(1, 96, 16),
+                         w2=torch.zeros(1, 16, 48), activation=ActivationConfig("swiglu"), recipe=BF16Recipe())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.check_shapes(args)
+    args.w1, args.w2, args.x = torch.zeros(1, 64, 12), torch.zeros(1, 12, 32), torch.zeros(4, 12)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.check_shapes(args)
+
+
+# --------------------------------------------------------------------------- the glue, on the documented contract
+
+class DocumentedKernelEmulator:
+    """What cuDNN Frontend 1.32's docs say each grouped wrapper computes (grouped_gemm_glu.md,
+    grouped_gemm_dglu.md, grouped_gemm.md, grouped_gemm_wgrad.md), in plain PyTorch. Reads the
+    offsets on the host (tests only). Rows outside every group are left NaN, as unwritten memory."""
+
+    calls = None
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _groups(offsets):
+        start = 0
+        for g, end in enumerate(offsets.tolist()):
+            yield g, start, end
+            start = end
+
+    @staticmethod
+    def _nan(rows, cols, dtype):
+        return torch.full((rows, cols), float("nan"), dtype=dtype)
+
+    def grouped_gemm_glu_wrapper_sm100(self, *, a_tensor, sfa_tensor, padded_offsets, alpha_tensor, b_tensor,
+                                       bias_tensor, prob_tensor, c_dtype, d_dtype, act_func, m_aligned, generate_c):
+        self.calls.append("glu")
+        assert sfa_tensor is None and m_aligned == 256 and generate_c and padded_offsets.dtype == torch.int32
+        assert bias_tensor is None or bias_tensor.stride() == (1, bias_tensor.shape[0])  # (N, L), stride (1, N)
+        m, n = a_tensor.shape[0], b_tensor.shape[1]
+        c, d = self._nan(m, n, c_dtype), self._nan(m, n // 2, d_dtype)
+        for g, s, e in self._groups(padded_offsets):
+            acc = alpha_tensor[g] * (a_tensor[s:e] @ b_tensor[g].T)
+            if bias_tensor is not None:
+                acc = acc + bias_tensor[:, g]
+            c[s:e] = acc
+            d[s:e] = prob_tensor[s:e, None] * _documented_glu(acc, act_func)
+        return {"c_tensor": c, "d_tensor": d}
+
+    def grouped_gemm_wrapper_sm100(self, *, a_tensor, padded_offsets, alpha_tensor, b_tensor, c_dtype, d_dtype,
+                                   m_aligned, bias_tensor=None):
+        self.calls.append("gemm")
+        m, n = a_tensor.shape[0], b_tensor.shape[1]
+        d = self._nan(m, n, d_dtype)
+        for g, s, e in self._groups(padded_offsets):
+            d[s:e] = alpha_tensor[g] * (a_tensor[s:e] @ b_tensor[g].T)
+            if bias_tensor is not None:
+                d[s:e] += bias_tensor[:, g]
+        return {"d_tensor": d}
+
+    def grouped_gemm_dglu_wrapper_sm100(self, *, a_tensor, c_tensor, sfa_tensor, padded_offsets, alpha_tensor,
+                                        beta_tensor, prob_tensor, dprob_tensor, b_tensor, generate_dbias, d_dtype,
+                                        act_func, deterministic):
+        self.calls.append("dglu")
+        assert bool((dprob_tensor == 0).all()), "dprob must be zero-initialised"
+        m, n2 = c_tensor.shape
+        d_row = self._nan(m, n2, d_dtype)
+        dbias = torch.zeros(b_tensor.shape[0], n2, 1, dtype=d_dtype) if generate_dbias else None
+        for g, s, e in self._groups(padded_offsets):
+            ref = alpha_tensor[g] ** 2 * (a_tensor[s:e] @ b_tensor[g].T)  # [rows, N]
+            prob = prob_tensor[s:e, None]
+            blocks = []
+            for b in range(n2 // 64):
+                raw_gate, raw_up = c_tensor[s:e, 64 * b:64 * b + 32], c_tensor[s:e, 64 * b + 32:64 * b + 64]
+                r = ref[:, 32 * b:32 * b + 32]
+                if act_func == "dswiglu":
+                    gate, up = beta_tensor[g] * raw_gate, beta_tensor[g] * raw_up
+                    sig = torch.sigmoid(gate)
+                    dgate = r * prob * up * sig * (1 + gate * (1 - sig))
+                    dup = r * prob * gate * sig
+                    dprob_tensor[s:e] += (r * up * gate * sig).sum(dim=1)
+                else:  # dgeglu with the documented defaults
+                    gate, up = raw_gate.clamp(max=7.0), raw_up.clamp(-7.0, 7.0)
+                    sig = torch.sigmoid(1.702 * gate)
+                    dgate = r * prob * (up + 1) * sig * (1 + 1.702 * gate * (1 - sig)) * (raw_gate <= 7.0)
+                    dup = r * prob * gate * sig * ((raw_up >= -7.0) & (raw_up <= 7.0))
+                    dprob_tensor[s:e] += (r * gate * sig * (up + 1)).sum(dim=1)
+                blocks += [dgate, dup]
+            d_row[s:e] = torch.cat(blocks, dim=1)
+            if generate_dbias:
+                dbias[g, :, 0] = d_row[s:e].sum(dim=0)
+        return {"d_row_tensor": d_row, "dprob_tensor": dprob_tensor, "dbias_tensor": dbias}
+
+    def grouped_gemm_wgrad_wrapper_sm100(self, *, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor,
+                                         wgrad_dtype):
+        self.calls.append("wgrad")
+        assert a_tensor.stride() == (1, a_tensor.shape[0])  # A (hidden, tokens) given M-major
+        out = torch.zeros(offsets_tensor.shape[0], a_tensor.shape[0], b_tensor.shape[1], dtype=wgrad_dtype)
+        for g, s, e in self._groups(offsets_tensor):
+            out[g] = a_tensor[:, s:e] @ b_tensor[s:e]
+        return {"wgrad_tensor": out}
+
+
+@pytest.mark.parametrize("activation,bias,probs,routing,padding", [
+    ("swiglu", False, False, "balanced", 0),
+    ("swiglu", True, True, "empty", 5),
+    ("gpt_oss_swiglu", True, True, "zipf", 3),
+])
+def test_glue_on_documented_contract_matches_fp64(activation, bias, probs, routing, padding):
+    problem = random_problem(T=60, H=16, F=64, E=3, activation=activation, dtype=torch.float64, bias=bias,
+                             probs=probs, routing=routing, padding=padding, scale=4.0)  # scale reaches the clamp
+    leaves = {k: (v.clone().requires_grad_(True) if k in ("x", "w1", "w2", "b1", "b2", "probs") and v is not None
+                  else v) for k, v in problem.items()}
+    args = ExpertMLPArgs(x=leaves["x"], tokens_per_expert=leaves["tokens_per_expert"], w1=leaves["w1"],
+                         w2=leaves["w2"], activation=ActivationConfig(activation), recipe=BF16Recipe(),
+                         b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"])
+    fe = DocumentedKernelEmulator()
+    y = kernels.run_expert_mlp(fe, args)
+    dy = torch.randn(y.shape, generator=GEN, dtype=torch.float64)
+    y.backward(dy)
+    assert fe.calls == ["glu", "gemm", "dglu", "gemm", "wgrad", "wgrad"]
+
+    ref = expert_mlp_fp64(problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"], activation,
+                          b1=problem["b1"], b2=problem["b2"], probs=problem["probs"], dy=dy)
+    assert rel_err(y, ref["y"]) < 1e-12
+    for name in ("x", "w1", "w2") + (("b1", "b2") if bias else ()):
+        assert rel_err(leaves[name].grad, ref[name]) < 1e-11, name
+    if probs:  # dprob is an FP32 buffer by the kernel's contract
+        assert rel_err(leaves["probs"].grad, ref["probs"]) < 1e-6
+    if padding:
+        assert bool((y[-padding:] == 0).all()) and bool((leaves["x"].grad[-padding:] == 0).all())
+
+
+def test_glue_with_every_expert_empty_gives_zeros():
+    problem = random_problem(T=9, H=8, F=32, E=2, dtype=torch.float64, bias=True, padding=9)
+    x = problem["x"].clone().requires_grad_(True)
+    w1 = problem["w1"].clone().requires_grad_(True)
+    args = ExpertMLPArgs(x=x, tokens_per_expert=problem["tokens_per_expert"], w1=w1, w2=problem["w2"],
+                         activation=ActivationConfig("swiglu"), recipe=BF16Recipe(), b1=problem["b1"], b2=problem["b2"])
+    y = kernels.run_expert_mlp(DocumentedKernelEmulator(), args)
+    y.sum().backward()
+    assert bool((y == 0).all()) and bool((x.grad == 0).all()) and bool((w1.grad == 0).all())
+    assert not math.isnan(float(w1.grad.sum()))
