@@ -43,6 +43,9 @@ def is_installed() -> bool:
 
 def install() -> None:
     """Make ``MoELayer`` pick its experts from ``moe_grouped_gemm_impl`` (idempotent)."""
+    from .cpu_compat import define_missing_te_names
+
+    define_missing_te_names()
     moe_layer_cls = _moe_layer_class()
     if is_installed():
         return

@@ -167,3 +167,12 @@ def get_moe_layer_spec(config: Any, use_te: Optional[bool] = None) -> Any:
     spec = get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts,
                                            moe_grouped_gemm=False)
     return apply_to_moe_spec(spec, config)
+
+
+def build_experts(entry: Any, num_local_experts: int, config: Any, pg_collection: Any = None) -> Any:
+    """Instantiate an ``experts`` entry the way the installed ``MoELayer`` would."""
+    if isinstance(entry, (functools.partial, type)) and uses_builders():
+        return entry(num_local_experts, config, pg_collection=pg_collection)
+    from megatron.core.transformer.spec_utils import build_module
+
+    return build_module(entry, num_local_experts, config, pg_collection=pg_collection)

@@ -1,0 +1,87 @@
+"""Run Megatron's MoE layer on a CPU-only machine (tests, the CPU-tiny pretrain config).
+
+megatron-core's router and token dispatchers call ``torch.cuda.current_device()``,
+``torch.cuda.Stream()``, ``torch.cuda.stream(...)`` and events unconditionally (the all-to-all
+dispatcher copies counts to the host on a side stream). On a machine without CUDA,
+:func:`cpu_cuda_shim` stands in for those calls: the "current device" is the CPU, streams and
+events are no-ops (CPU work is already ordered). It does nothing where CUDA is available and
+undoes itself on exit. Never used on the GPU path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+class _NoOpEvent:
+    def record(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+
+class _NoOpStream:
+    def wait_stream(self, other):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event or _NoOpEvent()
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+
+_STREAM = _NoOpStream()
+
+
+@contextlib.contextmanager
+def cpu_cuda_shim() -> Iterator[None]:
+    """Patch the few ``torch.cuda`` calls Megatron's MoE path makes (no-op where CUDA exists)."""
+    define_missing_te_names()
+    if torch.cuda.is_available():
+        yield
+        return
+    replacements = {
+        "current_device": lambda: torch.device("cpu"),
+        "Stream": lambda *a, **k: _STREAM,
+        "Event": lambda *a, **k: _NoOpEvent(),
+        "current_stream": lambda *a, **k: _STREAM,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "is_current_stream_capturing": lambda: False,
+        "synchronize": lambda *a, **k: None,
+    }
+    saved = {name: getattr(torch.cuda, name) for name in replacements}
+    try:
+        for name, value in replacements.items():
+            setattr(torch.cuda, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16.1 reads ``te_general_gemm`` in the router's gating GEMM but only defines it
+    when Transformer Engine imports; without TE every MoE forward raises ``NameError``. Define it as
+    ``None`` (Megatron's own "no TE" value, which selects its ``torch.mm`` path). Idempotent; a
+    no-op on versions that define it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
