@@ -1,0 +1,127 @@
+"""backend="cudnn" on a Blackwell GPU (compute capability >= 10) against the FP64 loop and the
+reference backend: forward, backward, no host sync, CUDA graph capture and replay.
+
+Skips below SM100 (there the backend refuses, which tests/test_cudnn_backend.py checks on CPU).
+On SM100+ a missing or unusable nvidia-cudnn-frontend is a failure, not a skip: that is exactly
+what these tests are for.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_reference import expert_mlp_fp64, random_problem, rel_err
+from te_fused_moe import fused_moe_mlp
+from te_fused_moe.backends import get_backend
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 2e-2  # BF16 operands and outputs, FP32 accumulation, vs FP64 on the same BF16 inputs
+
+
+def _require_sm100():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 10:
+        pytest.skip(f"cuDNN FE's fused grouped GEMM kernels need SM100+, this GPU is sm_{major}{minor}")
+    verdict = get_backend("cudnn").availability(torch.device("cuda"))
+    assert verdict, f"SM100+ GPU but backend='cudnn' is unavailable: {verdict.reason}"
+
+
+def _problem(activation, bias, probs, routing="empty", padding=7, T=1000, H=256, F=128, E=8, seed=0):
+    p = random_problem(T, H, F, E, activation=activation, dtype=torch.bfloat16, device="cuda", bias=bias,
+                       probs=probs, routing=routing, padding=padding, seed=seed, scale=3.0)
+    return p
+
+
+def _run(p, backend, activation, dy):
+    leaves = {k: (v.detach().clone().requires_grad_(True) if k in ("x", "w1", "w2", "b1", "b2", "probs") and v is not None
+                  else v) for k, v in p.items()}
+    y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation=activation,
+                      b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend=backend)
+    y.backward(dy)
+    return y.detach(), {k: (v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None) for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss_swiglu"])
+@pytest.mark.parametrize("bias,probs", [(False, False), (True, True)])
+@pytest.mark.parametrize("routing", ["balanced", "empty", "one"])
+def test_cudnn_matches_fp64_and_reference(activation, bias, probs, routing):
+    _require_sm100()
+    p = _problem(activation, bias, probs, routing)
+    dy = torch.randn(p["x"].shape, device="cuda", dtype=torch.bfloat16)
+    y, grads = _run(p, "cudnn", activation, dy)
+    y_ref, grads_ref = _run(p, "reference", activation, dy)
+    fp64 = expert_mlp_fp64(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], activation, b1=p["b1"], b2=p["b2"],
+                           probs=p["probs"], dy=dy)
+    assert rel_err(y, fp64["y"]) < BF16_TOL
+    assert rel_err(y, y_ref) < BF16_TOL
+    assert bool((y[-7:] == 0).all())  # padding rows
+    for name in ("x", "w1", "w2", "b1", "b2", "probs"):
+        if grads[name] is None:
+            continue
+        assert torch.isfinite(grads[name]).all(), name
+        assert rel_err(grads[name], fp64[name]) < BF16_TOL, name
+        assert rel_err(grads[name], grads_ref[name]) < BF16_TOL, name
+
+
+def test_cudnn_never_syncs_after_warmup():
+    _require_sm100()
+    p = _problem("swiglu", True, True)
+    dy = torch.randn(p["x"].shape, device="cuda", dtype=torch.bfloat16)
+    _run(p, "cudnn", "swiglu", dy)  # compiles outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(p, "cudnn", "swiglu", dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cudnn_captures_in_a_cuda_graph_and_replays_new_routing():
+    _require_sm100()
+    p = _problem("swiglu", False, True, routing="balanced", padding=0, seed=1)
+    x = p["x"].detach().clone()
+    counts = p["tokens_per_expert"].clone()
+    w1 = p["w1"].detach().clone().requires_grad_(True)
+    w2 = p["w2"].detach().clone().requires_grad_(True)
+    probs = p["probs"].clone()
+    dy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        w1.grad = w2.grad = None
+        y = fused_moe_mlp(x, counts, w1, w2, probs=probs, backend="cudnn")
+        y.backward(dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # eager warm-up: compiles every kernel of this signature
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = step()
+        g1, g2 = w1.grad, w2.grad
+
+    for seed in range(3):
+        new = _problem("swiglu", False, True, routing="zipf", padding=11, seed=10 + seed)
+        counts.copy_(new["tokens_per_expert"])
+        x.copy_(new["x"])
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_y, eager = _run(dict(p, x=x, tokens_per_expert=counts, w1=w1.detach(), w2=w2.detach(), probs=probs),
+                              "cudnn", "swiglu", dy)
+        assert torch.equal(y_graph, eager_y)
+        assert torch.equal(g1, eager["w1"]) and torch.equal(g2, eager["w2"])
+
+
+def test_first_call_inside_capture_is_refused_with_advice():
+    _require_sm100()
+    p = _problem("swiglu", False, False, T=512, H=64, F=64, E=2, seed=3)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run one eager forward"):
+        with torch.cuda.graph(graph):
+            fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], backend="cudnn")
