@@ -25,7 +25,7 @@ def f32(x: float) -> float:
     # float32 keeps 24 significant bits; below 2**-126 the spacing stays 2**-149.
     quantum_exp = max(e - 24, -149)
     q = math.ldexp(1.0, quantum_exp)
-    r = round(x / q) * q  # Python round(): half to even, exact here
+    r = math.copysign(round(x / q) * q, x)  # round(): half to even (returns an int: keep the sign)
     if abs(r) > FLT_MAX:
         return math.copysign(INF, x)
     return r
