@@ -386,3 +386,16 @@ def test_glue_with_every_expert_empty_gives_zeros():
     y.sum().backward()
     assert bool((y == 0).all()) and bool((x.grad == 0).all()) and bool((w1.grad == 0).all())
     assert not math.isnan(float(w1.grad.sum()))
+
+
+def test_deterministic_with_prob_gradients_is_refused():
+    problem = random_problem(T=20, H=8, F=32, E=2, dtype=torch.float64, probs=True)
+    args = ExpertMLPArgs(x=problem["x"], tokens_per_expert=problem["tokens_per_expert"], w1=problem["w1"],
+                         w2=problem["w2"], activation=ActivationConfig("swiglu"), recipe=BF16Recipe(),
+                         probs=problem["probs"].requires_grad_(True), deterministic=True)
+    with pytest.raises(ValueError, match="deterministic: .*atomics"):
+        kernels.run_expert_mlp(DocumentedKernelEmulator(), args)
+    args.probs = problem["probs"].detach()  # without a prob gradient every output is atomics-free
+    y = kernels.run_expert_mlp(DocumentedKernelEmulator(), args)
+    ref = expert_mlp_fp64(problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"], probs=args.probs)
+    assert rel_err(y, ref["y"]) < 1e-12

@@ -83,6 +83,11 @@ def cudnn_expert_mlp(args: ExpertMLPArgs) -> torch.Tensor:
 def run_expert_mlp(fe, args: ExpertMLPArgs) -> torch.Tensor:
     """The differentiable expert MLP on the entry points in ``fe`` (see :func:`.api.load`)."""
     check_shapes(args)
+    if args.deterministic and args.probs is not None and args.probs.requires_grad:
+        raise ValueError(
+            "deterministic: cuDNN Frontend's BF16 dGLU kernel accumulates the router-prob gradient with atomics "
+            "(its deterministic mode is block-scaled only); use backend='triton' or 'reference', or detach probs"
+        )
     signature = _signature(args)
     if signature not in _compiled_signatures:
         if args.x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -166,7 +171,8 @@ class _CudnnExpertMLP(torch.autograd.Function):
             a_tensor=dy_pad, c_tensor=pre_act, sfa_tensor=None, padded_offsets=offsets,
             alpha_tensor=ones, beta_tensor=ones, prob_tensor=prob_pad, dprob_tensor=dprob_pad,
             b_tensor=w2.transpose(1, 2).contiguous(), generate_dbias=has_b1 and need[4],
-            d_dtype=x_pad.dtype, act_func=BACKWARD_ACT[act_name], deterministic=deterministic,
+            # Only dprob is accumulated with atomics; the call refuses deterministic runs that need it.
+            d_dtype=x_pad.dtype, act_func=BACKWARD_ACT[act_name], deterministic=False,
         )
         dh = _two_d(dglu["d_row_tensor"], rows)  # [M, 2F] interleaved d(pre_act)
 
