@@ -98,7 +98,7 @@ def test_interleave_round_trip_and_block_positions():
         layouts.interleave_glu(torch.zeros(3, 2 * 48), dim=1)
 
 
-def _documented_glu(c, act):
+def _documented_glu(c, act, linear_offset=None):
     """cuDNN FE GLU epilogue on an interleaved C: 32-column pairs, even block gate, odd block up
     (kernel moe_grouped_gemm_glu_bias.py; TE's SwiGLU(glu_interleave_size=32) docs)."""
     out = []
@@ -108,7 +108,8 @@ def _documented_glu(c, act):
             out.append(up * gate * torch.sigmoid(gate))
         else:  # cuDNN "geglu" = GPT-OSS clamped SwiGLU
             g, u = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-            out.append((u + 1) * g * torch.sigmoid(1.702 * g))
+            offset = 1.0 if linear_offset is None else linear_offset
+            out.append((u + offset) * g * torch.sigmoid(1.702 * g))
     return torch.cat(out, dim=1)
 
 
@@ -278,7 +279,8 @@ class DocumentedKernelEmulator:
         return torch.full((rows, cols), float("nan"), dtype=dtype)
 
     def grouped_gemm_glu_wrapper_sm100(self, *, a_tensor, sfa_tensor, padded_offsets, alpha_tensor, b_tensor,
-                                       bias_tensor, prob_tensor, c_dtype, d_dtype, act_func, m_aligned, generate_c):
+                                       bias_tensor, prob_tensor, c_dtype, d_dtype, act_func, linear_offset,
+                                       m_aligned, generate_c):
         self.calls.append("glu")
         assert sfa_tensor is None and m_aligned == 256 and generate_c and padded_offsets.dtype == torch.int32
         assert bias_tensor is None or bias_tensor.stride() == (1, bias_tensor.shape[0])  # (N, L), stride (1, N)
@@ -289,7 +291,9 @@ class DocumentedKernelEmulator:
             if bias_tensor is not None:
                 acc = acc + bias_tensor[:, g]
             c[s:e] = acc
-            d[s:e] = prob_tensor[s:e, None] * _documented_glu(acc, act_func)
+            if act_func == "swiglu":
+                assert linear_offset == 0.0
+            d[s:e] = prob_tensor[s:e, None] * _documented_glu(acc, act_func, linear_offset)
         return {"c_tensor": c, "d_tensor": d}
 
     def grouped_gemm_wrapper_sm100(self, *, a_tensor, padded_offsets, alpha_tensor, b_tensor, c_dtype, d_dtype,
@@ -305,7 +309,7 @@ class DocumentedKernelEmulator:
 
     def grouped_gemm_dglu_wrapper_sm100(self, *, a_tensor, c_tensor, sfa_tensor, padded_offsets, alpha_tensor,
                                         beta_tensor, prob_tensor, dprob_tensor, b_tensor, generate_dbias, d_dtype,
-                                        act_func, deterministic):
+                                        act_func, linear_offset, deterministic):
         self.calls.append("dglu")
         assert bool((dprob_tensor == 0).all()), "dprob must be zero-initialised"
         m, n2 = c_tensor.shape
@@ -324,12 +328,12 @@ class DocumentedKernelEmulator:
                     dgate = r * prob * up * sig * (1 + gate * (1 - sig))
                     dup = r * prob * gate * sig
                     dprob_tensor[s:e] += (r * up * gate * sig).sum(dim=1)
-                else:  # dgeglu with the documented defaults
+                else:  # dgeglu with the documented default alpha and clamp bounds
                     gate, up = raw_gate.clamp(max=7.0), raw_up.clamp(-7.0, 7.0)
                     sig = torch.sigmoid(1.702 * gate)
-                    dgate = r * prob * (up + 1) * sig * (1 + 1.702 * gate * (1 - sig)) * (raw_gate <= 7.0)
+                    dgate = r * prob * (up + linear_offset) * sig * (1 + 1.702 * gate * (1 - sig)) * (raw_gate <= 7.0)
                     dup = r * prob * gate * sig * ((raw_up >= -7.0) & (raw_up <= 7.0))
-                    dprob_tensor[s:e] += (r * gate * sig * (up + 1)).sum(dim=1)
+                    dprob_tensor[s:e] += (r * gate * sig * (up + linear_offset)).sum(dim=1)
                 blocks += [dgate, dup]
             d_row[s:e] = torch.cat(blocks, dim=1)
             if generate_dbias:

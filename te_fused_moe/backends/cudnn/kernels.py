@@ -40,6 +40,7 @@ from .layouts import (
 
 FORWARD_ACT = {"swiglu": "swiglu", "gpt_oss_swiglu": "geglu"}
 BACKWARD_ACT = {"swiglu": "dswiglu", "gpt_oss_swiglu": "dgeglu"}
+LINEAR_OFFSET = {"swiglu": 0.0, "gpt_oss_swiglu": 1.0}  # GPT-OSS adds 1 to the clamped up projection
 
 _compiled_signatures: Set[Tuple] = set()
 
@@ -137,7 +138,8 @@ class _CudnnExpertMLP(torch.autograd.Function):
         fc1 = fe.grouped_gemm_glu_wrapper_sm100(
             a_tensor=x_pad, sfa_tensor=None, padded_offsets=offsets, alpha_tensor=ones,
             b_tensor=w1_glu, bias_tensor=bias1, prob_tensor=prob_pad,
-            c_dtype=x.dtype, d_dtype=x.dtype, act_func=FORWARD_ACT[act_name], m_aligned=GROUP_ALIGN, generate_c=True,
+            c_dtype=x.dtype, d_dtype=x.dtype, act_func=FORWARD_ACT[act_name], linear_offset=LINEAR_OFFSET[act_name],
+            m_aligned=GROUP_ALIGN, generate_c=True,
         )
         pre_act = _two_d(fc1["c_tensor"], rows)  # [M, 2F] interleaved, bias included
         act = _two_d(fc1["d_tensor"], rows)  # [M, F] = GLU(pre_act) * prob
@@ -172,7 +174,8 @@ class _CudnnExpertMLP(torch.autograd.Function):
             alpha_tensor=ones, beta_tensor=ones, prob_tensor=prob_pad, dprob_tensor=dprob_pad,
             b_tensor=w2.transpose(1, 2).contiguous(), generate_dbias=has_b1 and need[4],
             # Only dprob is accumulated with atomics; the call refuses deterministic runs that need it.
-            d_dtype=x_pad.dtype, act_func=BACKWARD_ACT[act_name], deterministic=False,
+            d_dtype=x_pad.dtype, act_func=BACKWARD_ACT[act_name], linear_offset=LINEAR_OFFSET[act_name],
+            deterministic=False,
         )
         dh = _two_d(dglu["d_row_tensor"], rows)  # [M, 2F] interleaved d(pre_act)
 
