@@ -154,3 +154,133 @@ def test_deterministic_run_to_run():
     assert torch.equal(y1, y2)
     for name in g1:
         assert torch.equal(g1[name], g2[name]), name
+
+
+# ----------------------------------------------------------------------------- quantized recipes
+
+from fake_quant_reference import quantized_expert_mlp_fp64  # noqa: E402
+from te_fused_moe.recipes import (  # noqa: E402
+    BF16Recipe, Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling,
+)
+
+# name -> (recipe, loose bound vs the unquantized FP64 result). Measured on these problems:
+# E4M3 ~0.07, HYBRID (E5M2 gradients) ~0.10, NVFP4 ~0.26-0.33.
+QUANTIZED = {
+    "mxfp8": (MXFP8BlockScaling(), 0.15),
+    "mxfp8-hybrid": (MXFP8BlockScaling(fp8_format=Format.HYBRID), 0.2),
+    "fp8_block": (Float8BlockScaling(), 0.15),
+    "fp8_block-f32-scales-1d-weights": (Float8BlockScaling(use_f32_scales=True, w_block_scaling_dim=1), 0.15),
+    "nvfp4": (NVFP4BlockScaling(disable_stochastic_rounding=True), 0.5),
+    "nvfp4-1d-no-rht": (NVFP4BlockScaling(disable_stochastic_rounding=True, disable_rht=True,
+                                          disable_2d_quantization=True), 0.5),
+}
+# vs the FP64 composition on the same fake-quantized operands: FP32 compute may put an operand
+# element on a neighbouring code now and then (seen up to 5e-5); bf16 adds the output rounding.
+QUANT_TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
+
+QUANT_CASES = [
+    dict(activation=act, E=E, routing=routing, bias=bias, probs=probs, seed=10 + i)
+    for i, (act, E, routing, bias, probs) in enumerate([
+        ("swiglu", 3, "zipf", True, True),
+        ("gpt_oss_swiglu", 8, "empty", False, True),
+        ("srelu", 1, "balanced", True, False),
+        ("geglu", 3, "one", False, False),
+    ])
+]
+
+
+def _quant_problem(case, dtype):
+    # T and H past one 128-block and not multiples of it: partial blocks along tokens and K.
+    return random_problem(150, 160, 48, case["E"], case["activation"], dtype=dtype, bias=case["bias"],
+                          probs=case["probs"], routing=case["routing"], padding=5, seed=case["seed"])
+
+
+@pytest.mark.parametrize("recipe_name", sorted(QUANTIZED))
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c['activation']}-E{c['E']}-{c['routing']}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantized_vs_fake_quantized_fp64(recipe_name, case, dtype):
+    recipe, bound = QUANTIZED[recipe_name]
+    problem = _quant_problem(case, dtype)
+    y, dy, grads = run_op(problem, case["activation"], recipe=recipe, dy_seed=case["seed"])
+    ref = quantized_expert_mlp_fp64(**problem, recipe=recipe, activation=case["activation"], dy=dy)
+    assert rel_err(y, ref["y"]) < QUANT_TOL[dtype]
+    for name, grad in grads.items():
+        assert rel_err(grad, ref[name]) < QUANT_TOL[dtype], name
+    exact = expert_mlp_fp64(**problem, activation=case["activation"], dy=dy)
+    assert rel_err(y, exact["y"]) < bound
+    for name, grad in grads.items():
+        assert rel_err(grad, exact[name]) < bound, name
+    # and quantization did happen: the result is off the unquantized one by more than rounding
+    assert rel_err(y, exact["y"]) > 5e-3
+
+
+def test_fake_quant_ground_truth_is_the_fp64_loop_without_quantization():
+    """The hand-written backward of the quantized ground truth, checked against FP64 autograd."""
+    problem = random_problem(60, 32, 16, 4, "gpt_oss_swiglu", dtype=torch.float64, bias=True, probs=True,
+                             routing="empty", padding=4, seed=21)
+    dy = torch.randn(60, 32, dtype=torch.float64)
+    ours = quantized_expert_mlp_fp64(**problem, recipe=BF16Recipe(), activation="gpt_oss_swiglu", dy=dy)
+    ref = expert_mlp_fp64(**problem, activation="gpt_oss_swiglu", dy=dy)
+    for name in ("y",) + GRAD_NAMES:
+        assert rel_err(ours[name], ref[name]) < 1e-13, name
+
+
+def test_wgrad_blocks_restart_at_each_expert():
+    """Token-dimension (wgrad) blocks are per expert: quantizing all tokens as one operand would
+    give a different weight gradient."""
+    from te_fused_moe.quantize import fake_quantize
+
+    recipe = MXFP8BlockScaling()
+    problem = random_problem(64, 32, 32, 2, "swiglu", routing="balanced", seed=2)
+    problem["tokens_per_expert"] = torch.tensor([20, 44])  # expert 1 starts inside a 32-row block
+    with torch.no_grad():
+        # Expert 0's rows would set the scale of the shared block [0, 32) so high that expert 1's
+        # rows 20..31 fall into E4M3's subnormals (a mere 50x would not: FP8 keeps its relative
+        # precision over a wide range).
+        problem["x"][:20] *= 2.0**16
+    x = problem["x"].detach()
+    shared = fake_quantize(x, recipe, role="x", axis=0, gemm="wgrad")[20:32]
+    own = fake_quantize(x[20:], recipe, role="x", axis=0, gemm="wgrad")[:12]
+    assert rel_err(shared, own) > 1e-2  # the problem does tell the two apart
+
+    _, dy, grads = run_op(problem, "swiglu", recipe=recipe)
+    ref = quantized_expert_mlp_fp64(**problem, recipe=recipe, activation="swiglu", dy=dy)
+    for e in range(2):
+        assert rel_err(grads["w1"][e], ref["w1"][e]) < 2e-3, e
+        assert rel_err(grads["w2"][e], ref["w2"][e]) < 2e-3, e
+
+
+def test_nvfp4_stochastic_rounding():
+    """With stochastic rounding of gradients: forward as without it, gradients within NVFP4's bound,
+    seeded runs reproducible, and the rounding really is stochastic."""
+    sr = NVFP4BlockScaling()
+    rtn = NVFP4BlockScaling(disable_stochastic_rounding=True)
+    case = QUANT_CASES[0]
+    problem = _quant_problem(case, torch.float32)
+    torch.manual_seed(0)
+    y1, dy, g1 = run_op(problem, case["activation"], recipe=sr, dy_seed=1)
+    torch.manual_seed(0)
+    y2, _, g2 = run_op(problem, case["activation"], recipe=sr, dy_seed=1)
+    y3, _, g3 = run_op(problem, case["activation"], recipe=sr, dy_seed=1)  # other random stream
+    y_rtn, _, g_rtn = run_op(problem, case["activation"], recipe=rtn, dy_seed=1)
+    assert torch.equal(y1, y_rtn)
+    exact = expert_mlp_fp64(**problem, activation=case["activation"], dy=dy)
+    for name in ("x", "w1", "w2", "probs"):
+        assert torch.equal(g1[name], g2[name]), name
+        assert not torch.equal(g1[name], g3[name]), name
+        assert not torch.equal(g1[name], g_rtn[name]), name
+        assert rel_err(g1[name], exact[name]) < 0.5, name
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8_block"])
+def test_quantized_recipe_by_name_through_the_op(recipe):
+    """Recipe names resolve to the same recipe objects (NVFP4's default includes stochastic
+    rounding, so only its forward is compared)."""
+    problem = random_problem(40, 64, 32, 3, "swiglu", routing="zipf", seed=7)
+    y_name = te_fused_moe.fused_moe_mlp(problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"],
+                                        recipe=recipe, backend="reference")
+    y_obj = te_fused_moe.fused_moe_mlp(problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"],
+                                       recipe=te_fused_moe.as_recipe(recipe), backend="reference")
+    assert torch.equal(y_name, y_obj)
+    ref = quantized_expert_mlp_fp64(**problem, recipe=te_fused_moe.as_recipe(recipe), activation="swiglu")
+    assert rel_err(y_name, ref["y"]) < 2e-3
