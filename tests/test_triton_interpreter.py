@@ -121,19 +121,22 @@ def test_cases_cover_empty_experts_and_padding(interpreter_results):
 
 
 def test_schedule_maps_tiles_to_groups():
-    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles, schedule_table
 
     counts = torch.tensor([5, 0, 17, 3], dtype=torch.int64)
-    sched = build_schedule(counts, num_rows=40, block_m=8)
+    flat = build_schedule(counts, num_rows=40, block_m=8)
+    assert flat.dtype == torch.int32 and tuple(flat.shape) == (4 * 5 + max_m_tiles(40, 4, 8),)
+    sched = schedule_table(flat, 4)
     # groups: 4 experts + padding of 40 - 25 = 15 rows
-    assert sched.dtype == torch.int32 and tuple(sched.shape) == (4, 5)
     assert sched[2].tolist() == [0, 5, 5, 22, 25]  # row_start
     assert sched[3].tolist() == [5, 5, 22, 25, 40]  # row_end
     assert sched[1].tolist() == [1, 1, 4, 5, 7]  # tile_end: cdiv(rows, 8) summed
     assert sched[0].tolist() == [0, 1, 1, 4, 5]
     assert int(sched[1, -1]) <= max_m_tiles(40, 4, 8)
+    # tile -> group map: tile 0 is expert 0, tiles 1-3 expert 2, tile 4 expert 3, 5-6 padding, then past the end
+    assert flat[20:].tolist() == [0, 2, 2, 2, 3, 4, 4] + [5] * (max_m_tiles(40, 4, 8) - 7)
     # counts summing past T are clamped: no row range leaves [0, T]
-    bad = build_schedule(torch.tensor([30, 30]), num_rows=40, block_m=8)
+    bad = schedule_table(build_schedule(torch.tensor([30, 30]), num_rows=40, block_m=8), 2)
     assert int(bad[3].max()) <= 40 and int(bad[2].min()) >= 0
 
 

@@ -8,8 +8,8 @@ import triton.language as tl
 ACT_IDS = {"swiglu": 0, "geglu": 1, "gpt_oss_swiglu": 2, "srelu": 3, "silu": 4, "gelu": 5}
 GATED_IDS = (0, 1, 2)
 
-_INV_SQRT2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
 @triton.jit

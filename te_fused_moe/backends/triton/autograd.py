@@ -35,8 +35,9 @@ class TritonExpertMLP(torch.autograd.Function):
         a = new_buffer((num_rows, ffn), x)
         y = new_buffer((num_rows, hidden), x)
         if num_rows > 0:
-            gg.fc1_forward(x, w1, tokens_per_expert, h, a, b1=b1, probs=probs, **act)
-            gg.fc2_forward(a, w2, tokens_per_expert, y, b2=b2)
+            schedules = {}  # one device-side schedule per M block size, shared by the launches
+            gg.fc1_forward(x, w1, tokens_per_expert, h, a, b1=b1, probs=probs, schedules=schedules, **act)
+            gg.fc2_forward(a, w2, tokens_per_expert, y, b2=b2, schedules=schedules)
         ctx.save_for_backward(x, tokens_per_expert, w1, w2, probs, h, a)
         ctx.act = act
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
@@ -62,6 +63,7 @@ class TritonExpertMLP(torch.autograd.Function):
         need_dh = need[0] or need[2] or need[4]
         want_dprob = probs is not None and need[6]
         dh = None
+        schedules = {}
         if need_dh or want_dprob:
             dh = new_buffer(h.shape, h)
             cfg = gg.default_config(gg.MODE_ACT_BWD, ctx.act["gated"], w2.shape[2], hidden)
@@ -72,16 +74,17 @@ class TritonExpertMLP(torch.autograd.Function):
                     dprob_buf = new_buffer((parts, num_rows), x, torch.float32)
                 else:
                     dprob_buf = torch.zeros((num_rows,), device=x.device, dtype=torch.float32)
-            gg.fc2_dgrad_dact(dy, w2, counts, h, dh, probs=probs, dprob=dprob_buf, config=cfg, **ctx.act)
+            gg.fc2_dgrad_dact(dy, w2, counts, h, dh, probs=probs, dprob=dprob_buf, config=cfg, schedules=schedules, **ctx.act)
             if want_dprob:
                 total = dprob_buf.sum(0) if ctx.deterministic else dprob_buf
                 dprobs = total.to(probs.dtype)
         if need[0]:
             dx = new_buffer(x.shape, x)
-            gg.fc1_dgrad(dh, w1, counts, dx)
+            gg.fc1_dgrad(dh, w1, counts, dx, schedules=schedules)
 
         wcfg = default_wgrad_config(0, 0)
-        schedule = build_schedule(counts, num_rows, wcfg.block_m)
+        # wgrad reads only the row ranges, which any schedule of this call has
+        schedule = next(iter(schedules.values())) if schedules else build_schedule(counts, num_rows, wcfg.block_m)
         if need[3] or need[5]:
             dw2 = new_buffer(w2.shape, w2)
             db2 = new_buffer((num_experts, hidden), x) if ctx.has_b2 else None

@@ -11,7 +11,7 @@ One kernel template, three epilogues (``MODE``):
 accumulators per tile, gate columns ``n`` and up columns ``F + n`` of the same ``w1[e]``: no
 interleaved weight layout is needed.
 
-Tiles are mapped to (group, row start) on the device (see ``schedule.py``); programs past the last
+Tiles are mapped to (group, row start) on the device through the schedule's tile -> group map; programs past the last
 tile exit at once; the padding group writes zeros. A and B loads are unmasked along M and N: row and
 column indices are clamped into the tensor instead, and rows/columns that belong to another expert
 only feed output elements that the masked store drops. So the inner loop is mask-free when
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .act_math import ACT_IDS, act_backward, act_forward, to_output
-from .schedule import ROW_END, ROW_START, TILE_END, TILE_START, build_schedule, max_m_tiles
+from .schedule import build_schedule, max_m_tiles
 
 MODE_PLAIN, MODE_ACT_FWD, MODE_ACT_BWD = 0, 1, 2
 
@@ -63,22 +63,10 @@ def default_config(mode: int, gated: bool, n: int, k: int) -> GemmConfig:
     if mode == MODE_ACT_FWD and gated:
         return GemmConfig(block_n=128, num_stages=4)  # two 128-wide accumulators = a 256-wide tile
     if mode == MODE_ACT_BWD:
-        return GemmConfig(block_n=128, num_stages=4)
+        # BN=128 spills the dGLU epilogue (acc, gate, up and their grads live at once): ~500-800
+        # spill stores per thread in SASS for swiglu/gpt_oss_swiglu; BN=64 spills ~10.
+        return GemmConfig(block_n=64, num_stages=4)
     return GemmConfig(block_n=256 if n >= 256 else 128, num_stages=3)
-
-
-@triton.jit
-def _find_group(pid_m, sched_ptr, NUM_GROUPS: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """Smallest group g with tile_end[g] > pid_m (NUM_GROUPS when pid_m is past the last tile)."""
-    lo = pid_m * 0
-    hi = lo + NUM_GROUPS
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = tl.minimum((lo + hi) // 2, NUM_GROUPS - 1)
-        tile_end = tl.load(sched_ptr + 1 * NUM_GROUPS + mid)
-        right = tile_end <= pid_m
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
 
 
 @triton.jit
@@ -90,11 +78,10 @@ def grouped_gemm_kernel(
     bias_ptr, stride_bias_e, bias_up_offset,
     probs_ptr, dprob_ptr, stride_dprob_part,
     sched_ptr,
-    T, N, K, alpha, limit,
-    NUM_GROUPS: tl.constexpr, SEARCH_STEPS: tl.constexpr, MAX_M_TILES: tl.constexpr,
+    T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -110,7 +97,7 @@ def grouped_gemm_kernel(
     total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
     if pid_m >= total_tiles:
         return
-    group = _find_group(pid_m, sched_ptr, NUM_GROUPS, SEARCH_STEPS)
+    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
     is_padding = group == NUM_GROUPS - 1
     expert = tl.minimum(group, NUM_GROUPS - 2)
     tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
@@ -122,7 +109,10 @@ def grouped_gemm_kernel(
     row_ok = rows < row_end
     col_ok = cols < N
     rows_in = tl.minimum(rows, T - 1).to(tl.int64)
-    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+    if EVEN_N:  # keep the column indices provably contiguous, so B loads vectorise and pipeline
+        cols_in = cols.to(tl.int64)
+    else:
+        cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BK)
 
     a_ptrs = a_ptr + rows_in[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -232,23 +222,27 @@ def launch(
     limit: float = 7.0,
     gated: bool = False,
     config: Optional[GemmConfig] = None,
-    schedule: Optional[torch.Tensor] = None,
-) -> None:
+    schedules: Optional[dict] = None,
+):
     """Run one grouped GEMM: rows of ``a`` [T, k] grouped by ``tokens_per_expert``, ``B_e`` [k, n]
     read from ``b`` at ``e * b_strides[0] + k * b_strides[1] + n * b_strides[2]``.
 
     ``dprob`` is either ``[T]`` FP32 zeros (atomic row reduction) or ``[cdiv(n, BN), T]`` FP32 (one
-    partial per N tile, summed later in a fixed order: the deterministic path)."""
+    partial per N tile, summed later in a fixed order: the deterministic path). ``schedules`` is an
+    optional dict ``block_m -> schedule`` shared by the launches of one call."""
     cfg = config or default_config(mode, gated, n, k)
     num_rows = a.shape[0]
     num_experts = tokens_per_expert.shape[0]
-    if schedule is None:
-        schedule = build_schedule(tokens_per_expert, num_rows, cfg.block_m)
+    if schedules is None:
+        schedules = {}
+    if cfg.block_m not in schedules:
+        schedules[cfg.block_m] = build_schedule(tokens_per_expert, num_rows, cfg.block_m)
+    schedule = schedules[cfg.block_m]
     num_groups = num_experts + 1
     m_tiles = max_m_tiles(num_rows, num_experts, cfg.block_m)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     dummy = c
-    grouped_gemm_kernel[grid](
+    return grouped_gemm_kernel[grid](
         a, a.stride(0), a.stride(1),
         b, b_strides[0], b_strides[1], b_strides[2], b_up_offset,
         c, c.stride(0), c_up_offset,
@@ -258,12 +252,11 @@ def launch(
         dprob if dprob is not None else dummy,
         dprob.stride(0) if (dprob is not None and dprob.dim() == 2) else 0,
         schedule,
-        num_rows, n, k, float(alpha), float(limit),
-        NUM_GROUPS=num_groups, SEARCH_STEPS=max(1, num_groups.bit_length()), MAX_M_TILES=m_tiles,
+        num_rows, n, k, float(alpha), float(limit), m_tiles, num_groups,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
-        EVEN_K=k % cfg.block_k == 0, UPCAST=interpreting(),
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, UPCAST=interpreting(),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -272,31 +265,31 @@ def launch(
 # --- the four GEMMs of the expert MLP, with their operand layouts spelled out -------------------
 
 def fc1_forward(x, w1, tokens_per_expert, h, a, *, activation, alpha, limit, gated, b1=None, probs=None,
-                config=None):
+                config=None, schedules=None):
     """h = x @ w1[e]^T + b1[e] (saved for backward), a = act(h) * p. ``B_e[k, n] = w1[e, n, k]``."""
     ffn = a.shape[1]
-    launch(MODE_ACT_FWD, x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), ffn, x.shape[1], a,
+    return launch(MODE_ACT_FWD, x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), ffn, x.shape[1], a,
            tokens_per_expert, b_up_offset=ffn * w1.stride(1), h=h, h_up_offset=ffn, bias=b1,
            bias_up_offset=ffn, probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
-           config=config)
+           config=config, schedules=schedules)
 
 
-def fc2_forward(a, w2, tokens_per_expert, y, *, b2=None, config=None):
+def fc2_forward(a, w2, tokens_per_expert, y, *, b2=None, config=None, schedules=None):
     """y = a @ w2[e]^T + b2[e]. ``B_e[k, n] = w2[e, n, k]``."""
-    launch(MODE_PLAIN, a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], a.shape[1], y,
-           tokens_per_expert, bias=b2, config=config)
+    return launch(MODE_PLAIN, a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], a.shape[1], y,
+           tokens_per_expert, bias=b2, config=config, schedules=schedules)
 
 
 def fc2_dgrad_dact(dy, w2, tokens_per_expert, h, dh, *, activation, alpha, limit, gated, probs=None,
-                   dprob=None, config=None):
+                   dprob=None, config=None, schedules=None):
     """da = dy @ w2[e]; dh = d act(h) * (da * p); dprob = sum_n da * act(h). ``B_e[k, n] = w2[e, k, n]``."""
     ffn = w2.shape[2]
-    launch(MODE_ACT_BWD, dy, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), ffn, dy.shape[1], dh,
+    return launch(MODE_ACT_BWD, dy, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), ffn, dy.shape[1], dh,
            tokens_per_expert, c_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob,
-           activation=activation, alpha=alpha, limit=limit, gated=gated, config=config)
+           activation=activation, alpha=alpha, limit=limit, gated=gated, config=config, schedules=schedules)
 
 
-def fc1_dgrad(dh, w1, tokens_per_expert, dx, *, config=None):
+def fc1_dgrad(dh, w1, tokens_per_expert, dx, *, config=None, schedules=None):
     """dx = dh @ w1[e]. ``B_e[k, n] = w1[e, k, n]``."""
-    launch(MODE_PLAIN, dh, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), w1.shape[2], dh.shape[1], dx,
-           tokens_per_expert, config=config)
+    return launch(MODE_PLAIN, dh, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), w1.shape[2], dh.shape[1], dx,
+           tokens_per_expert, config=config, schedules=schedules)

@@ -6,15 +6,17 @@ memset and padding rows get zero outputs and zero gradients.
 
 Everything here is a handful of tiny torch ops on the device: no host reads, no data-dependent
 shapes, so a call captures in a CUDA graph. The kernel grid is sized from the static worst case
-(:func:`max_m_tiles`), and each program finds its group by a binary search over ``tile_end``.
+(:func:`max_m_tiles`), and each program reads its group from a tile -> group map (one load; a binary
+search over ``tile_end`` would cost log2(E) dependent loads before the first GEMM load).
 """
 
 from __future__ import annotations
 
 import torch
 
-# Row indices of the [4, E + 1] int32 schedule table.
+# The schedule is one flat int32 tensor: four [E + 1] rows (indices below), then the tile -> group map.
 TILE_START, TILE_END, ROW_START, ROW_END = range(4)
+NUM_TABLE_ROWS = 4
 
 
 def max_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -23,7 +25,8 @@ def max_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 def build_schedule(tokens_per_expert: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
-    """``[4, E + 1]`` int32 table: tile_start, tile_end, row_start, row_end of each group.
+    """Flat int32 ``[4 * (E + 1) + max_m_tiles]``: tile_start, tile_end, row_start, row_end of each
+    group, then the group of each M tile (``E + 1`` for tiles past the last one).
 
     Row ranges are clamped to ``[0, num_rows]`` so that a bad ``tokens_per_expert`` (summing to more
     than ``T``; caught only in debug mode) cannot make a kernel write out of bounds.
@@ -37,4 +40,11 @@ def build_schedule(tokens_per_expert: torch.Tensor, num_rows: int, block_m: int)
     tiles = (rows + (block_m - 1)) // block_m
     tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
     tile_start = tile_end - tiles
-    return torch.stack([tile_start, tile_end, row_start, row_end]).contiguous()
+    all_tiles = torch.arange(max_m_tiles(num_rows, counts.shape[0], block_m), device=counts.device, dtype=torch.int32)
+    tile_group = torch.searchsorted(tile_end, all_tiles, right=True).to(torch.int32)
+    return torch.cat([tile_start, tile_end, row_start, row_end, tile_group])
+
+
+def schedule_table(schedule: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The ``[4, E + 1]`` part of a schedule (for tests and debugging)."""
+    return schedule[: NUM_TABLE_ROWS * (num_experts + 1)].view(NUM_TABLE_ROWS, num_experts + 1)

@@ -20,7 +20,6 @@ import triton.language as tl
 
 from .act_math import to_output
 from .grouped_gemm import interpreting
-from .schedule import ROW_END, ROW_START
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,9 @@ def wgrad_kernel(
     dw_ptr, stride_dw_e, stride_dw_n,
     db_ptr, stride_db_e,
     sched_ptr,
-    N, K,
-    NUM_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    N, K, NUM_GROUPS,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -70,8 +70,15 @@ def wgrad_kernel(
 
     cols_n = pid_n * BN + tl.arange(0, BN)
     cols_k = pid_k * BK + tl.arange(0, BK)
-    n_in = tl.minimum(cols_n, N - 1)
-    k_in = tl.minimum(cols_k, K - 1)
+    # clamped indices would hide contiguity from the compiler; only clamp where a tile overhangs
+    if EVEN_N:
+        n_in = cols_n
+    else:
+        n_in = tl.minimum(cols_n, N - 1)
+    if EVEN_K:
+        k_in = cols_k
+    else:
+        k_in = tl.minimum(cols_k, K - 1)
     offs_m = tl.arange(0, BM)
 
     acc = tl.zeros((BN, BK), dtype=tl.float32)
@@ -105,14 +112,15 @@ def grouped_wgrad(grad_out: torch.Tensor, inputs: torch.Tensor, schedule: torch.
     num_experts, n, k = dw.shape
     cfg = config or default_wgrad_config(n, k)
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
-    wgrad_kernel[grid](
+    return wgrad_kernel[grid](
         grad_out, grad_out.stride(0),
         inputs, inputs.stride(0),
         dw, dw.stride(0), dw.stride(1),
         db if db is not None else dw, db.stride(0) if db is not None else 0,
         schedule,
-        n, k,
-        NUM_GROUPS=schedule.shape[1], HAS_BIAS=db is not None, UPCAST=interpreting(),
+        n, k, num_experts + 1,
+        HAS_BIAS=db is not None, EVEN_N=n % cfg.block_n == 0,
+        EVEN_K=k % cfg.block_k == 0, UPCAST=interpreting(),
         BN=cfg.block_n, BK=cfg.block_k, BM=cfg.block_m, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,327 @@
+"""Benchmark of the expert MLP on one GPU: our Triton backend vs the unfused PyTorch path.
+
+In one process: measure the ceilings (cuBLAS BF16 8192^3 matmul, device-to-device copy), then for each
+shape time forward, backward and forward+backward of
+
+- ``unfused``: ``torch._grouped_mm`` FC1 -> activation as separate PyTorch ops -> ``torch._grouped_mm``
+  FC2, autograd backward (a per-expert ``mm`` loop where ``_grouped_mm`` is missing);
+- ``triton``:  ``fused_moe_mlp(..., backend="triton")``;
+
+and each of our kernels alone (FC1 with its GLU epilogue, FC2, the dGLU dgrad, FC1 dgrad, the two
+wgrads), as TFLOP/s and as a fraction of the measured dense peak. TFLOP/s counts routed tokens only;
+forward+backward counts 3x the forward FLOPs, backward 2x. Inputs are random (never zeros).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    experts: int
+    hidden: int
+    ffn: int
+    tokens: int
+    activation: str = "swiglu"
+    routing: str = "balanced"  # balanced | zipf | empty
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        Shape("dsv3-e32", 32, 7168, 2048, 32768),
+        Shape("dsv3-e32-zipf", 32, 7168, 2048, 32768, routing="zipf"),
+        Shape("dsv3-e8", 8, 7168, 2048, 16384),
+        Shape("qwen3-30b-a3b", 128, 2048, 768, 65536),
+        Shape("gpt-oss", 32, 2880, 2880, 32768, activation="gpt_oss_swiglu"),
+        Shape("mixtral", 8, 4096, 14336, 16384),
+        Shape("qwen3-empty", 128, 2048, 768, 65536, routing="empty"),
+    )
+}
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+
+def routing_counts(shape: Shape, generator: torch.Generator) -> torch.Tensor:
+    """Tokens per expert (host tensor) summing to ``shape.tokens``."""
+    E, T = shape.experts, shape.tokens
+    if shape.routing == "balanced":
+        counts = torch.full((E,), T // E, dtype=torch.int64)
+        counts[: T - int(counts.sum())] += 1
+        return counts
+    if shape.routing == "zipf":
+        weights = 1.0 / (torch.randperm(E, generator=generator).double() + 1) ** 1.2
+    elif shape.routing == "empty":  # a quarter of the experts get no token, the rest are balanced
+        weights = torch.ones(E, dtype=torch.float64)
+        weights[torch.randperm(E, generator=generator)[: E // 4]] = 0
+    else:
+        raise ValueError(f"routing: unknown kind {shape.routing!r}")
+    counts = torch.floor(weights / weights.sum() * T).long()
+    counts[int(torch.argmax(weights))] += T - int(counts.sum())
+    return counts
+
+
+def make_inputs(shape: Shape, device="cuda", dtype=torch.bfloat16, seed=0) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    gated = shape.activation in ("swiglu", "geglu", "gpt_oss_swiglu")
+    n1 = 2 * shape.ffn if gated else shape.ffn
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device=device, generator=gen, dtype=torch.float32) * scale).to(dtype)
+
+    return dict(
+        x=randn(shape.tokens, shape.hidden),
+        w1=randn(shape.experts, n1, shape.hidden, scale=shape.hidden ** -0.5),
+        w2=randn(shape.experts, shape.hidden, shape.ffn, scale=shape.ffn ** -0.5),
+        dy=randn(shape.tokens, shape.hidden),
+        counts=routing_counts(shape, g).to(device),
+    )
+
+
+def forward_flops(shape: Shape, routed_tokens: int) -> float:
+    gated = shape.activation in ("swiglu", "geglu", "gpt_oss_swiglu")
+    n1 = 2 * shape.ffn if gated else shape.ffn
+    return 2.0 * routed_tokens * shape.hidden * (n1 + shape.ffn)
+
+
+# --- the two implementations -------------------------------------------------------------------------
+
+def unfused_mlp(x, counts, w1, w2, activation: str):
+    """FC1 grouped GEMM -> separate activation -> FC2 grouped GEMM (autograd backward)."""
+    from .activations import ActivationConfig
+
+    act = ActivationConfig(activation)
+    if hasattr(torch, "_grouped_mm"):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets)
+        a = act.forward(h)
+        return torch._grouped_mm(a, w2.transpose(1, 2), offs=offsets)
+    rows = torch.split(x, counts.tolist())  # host sync: fallback only
+    outs = [act.forward(xe @ w1[e].T) @ w2[e].T for e, xe in enumerate(rows)]
+    return torch.cat(outs)
+
+
+def fused_mlp(x, counts, w1, w2, activation: str):
+    from .ops import fused_moe_mlp
+
+    return fused_moe_mlp(x, counts, w1, w2, activation=activation, backend="triton")
+
+
+IMPLEMENTATIONS = {"unfused": unfused_mlp, "triton": fused_mlp}
+
+
+# --- timing ------------------------------------------------------------------------------------------
+
+def do_bench_ms(fn: Callable, grad_to_none=None) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def measure_ceilings() -> Dict[str, float]:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench_ms(lambda: torch.mm(a, b))
+    src = torch.empty(1 << 30, device="cuda", dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    copy_ms = do_bench_ms(lambda: dst.copy_(src))
+    del a, b, src, dst
+    return {"bf16_gemm_tflops": 2 * n ** 3 / ms / 1e9, "d2d_copy_tbps": 2 * (1 << 30) / copy_ms / 1e9}
+
+
+def bench_implementation(name: str, shape: Shape, inputs, peak_tflops: float) -> Dict[str, float]:
+    fn = IMPLEMENTATIONS[name]
+    x = inputs["x"].clone().requires_grad_(True)
+    w1 = inputs["w1"].clone().requires_grad_(True)
+    w2 = inputs["w2"].clone().requires_grad_(True)
+    counts, dy = inputs["counts"], inputs["dy"]
+    params = [x, w1, w2]
+    routed = int(counts.sum())
+    flops = forward_flops(shape, routed)
+
+    def forward():
+        return fn(x, counts, w1, w2, shape.activation)
+
+    def fwd_bwd():
+        forward().backward(dy)
+
+    fwd_bwd()  # compile / warm up
+    torch.cuda.synchronize()
+    y_graph = forward()
+    out = {
+        "fwd_ms": do_bench_ms(forward),
+        "bwd_ms": do_bench_ms(lambda: y_graph.backward(dy, retain_graph=True), grad_to_none=params),
+        "fwd_bwd_ms": do_bench_ms(fwd_bwd, grad_to_none=params),
+    }
+    del y_graph
+    for x_ in params:
+        x_.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    out["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+    out["fwd_tflops"] = flops / out["fwd_ms"] / 1e9
+    out["bwd_tflops"] = 2 * flops / out["bwd_ms"] / 1e9
+    out["fwd_bwd_tflops"] = 3 * flops / out["fwd_bwd_ms"] / 1e9
+    out["fwd_bwd_of_peak"] = out["fwd_bwd_tflops"] / peak_tflops
+    with torch.no_grad():
+        out["_y"] = forward().float()
+    return out
+
+
+def bench_kernels(shape: Shape, inputs, peak_tflops: float, fc1_config=None, fc2_config=None,
+                  dact_config=None, dgrad_config=None, wgrad_config=None) -> Dict[str, Dict[str, float]]:
+    """Each Triton kernel alone (optionally with a given block config): ms, TFLOP/s, fraction of peak."""
+    from .activations import ActivationConfig
+    from .backends.triton import grouped_gemm as gg
+    from .backends.triton.schedule import build_schedule
+    from .backends.triton.wgrad import default_wgrad_config, grouped_wgrad
+
+    act = ActivationConfig(shape.activation)
+    x, w1, w2, counts, dy = (inputs[k] for k in ("x", "w1", "w2", "counts", "dy"))
+    T, H, F, n1 = x.shape[0], shape.hidden, shape.ffn, w1.shape[1]
+    routed = int(counts.sum())
+    kw = dict(activation=act.name, alpha=act.alpha, limit=act.limit, gated=act.gated)
+    h = torch.empty(T, n1, device="cuda", dtype=x.dtype)
+    a = torch.empty(T, F, device="cuda", dtype=x.dtype)
+    y = torch.empty(T, H, device="cuda", dtype=x.dtype)
+    dh = torch.empty_like(h)
+    dx = torch.empty_like(x)
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    wcfg = wgrad_config or default_wgrad_config(0, 0)
+    sched = build_schedule(counts, T, wcfg.block_m)
+    kernels = {
+        "fc1_glu": (lambda: gg.fc1_forward(x, w1, counts, h, a, config=fc1_config, **kw), 2 * routed * H * n1),
+        "fc2": (lambda: gg.fc2_forward(a, w2, counts, y, config=fc2_config), 2 * routed * F * H),
+        "fc2_dgrad_dglu": (lambda: gg.fc2_dgrad_dact(dy, w2, counts, h, dh, config=dact_config, **kw),
+                           2 * routed * H * F),
+        "fc1_dgrad": (lambda: gg.fc1_dgrad(dh, w1, counts, dx, config=dgrad_config), 2 * routed * n1 * H),
+        "wgrad_w2": (lambda: grouped_wgrad(dy, a, sched, dw2, config=wgrad_config), 2 * routed * H * F),
+        "wgrad_w1": (lambda: grouped_wgrad(dh, x, sched, dw1, config=wgrad_config), 2 * routed * n1 * H),
+    }
+    out = {}
+    for name, (fn, flops) in kernels.items():
+        fn()
+        ms = do_bench_ms(fn)
+        out[name] = {"ms": ms, "tflops": flops / ms / 1e9, "of_peak": flops / ms / 1e9 / peak_tflops}
+    return out
+
+
+def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = True, progress: bool = True) -> Dict:
+    import triton
+
+    torch.manual_seed(0)
+    ceilings = measure_ceilings()
+    peak = ceilings["bf16_gemm_tflops"]
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "unfused_impl": "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "per-expert mm loop",
+        "ceilings": ceilings,
+        "shapes": {},
+    }
+    iterator = shape_names
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            iterator = tqdm(shape_names, desc="shapes")
+        except ImportError:
+            pass
+    for name in iterator:
+        shape = SHAPES[name]
+        inputs = make_inputs(shape)
+        entry = {"shape": dataclasses.asdict(shape), "counts": inputs["counts"].tolist()}
+        for impl in IMPLEMENTATIONS:
+            entry[impl] = bench_implementation(impl, shape, inputs, peak)
+        y_unfused, y_fused = entry["unfused"].pop("_y"), entry["triton"].pop("_y")
+        routed = int(inputs["counts"].sum())
+        entry["rel_err_vs_unfused"] = float(
+            (y_fused[:routed] - y_unfused[:routed]).norm() / y_unfused[:routed].norm().clamp_min(1e-30))
+        entry["speedup"] = {k: entry["unfused"][f"{k}_ms"] / entry["triton"][f"{k}_ms"]
+                            for k in ("fwd", "bwd", "fwd_bwd")}
+        if kernels:
+            entry["kernels"] = bench_kernels(shape, inputs, peak)
+        report["shapes"][name] = entry
+        del inputs
+        torch.cuda.empty_cache()
+    if out_dir:
+        save(report, out_dir)
+    return report
+
+
+def summary_table(report: Dict) -> str:
+    peak = report["ceilings"]["bf16_gemm_tflops"]
+    lines = [f"{report['gpu']}  torch {report['torch']}  triton {report['triton']}  "
+             f"peak bf16 {peak:.0f} TFLOP/s  copy {report['ceilings']['d2d_copy_tbps']:.2f} TB/s",
+             f"{'shape':16} {'unf fwd+bwd':>11} {'ours fwd+bwd':>12} {'x fwd':>6} {'x bwd':>6} {'x f+b':>6} "
+             f"{'TFLOP/s':>8} {'of peak':>7} {'FC1':>6} {'mem unf/ours GiB':>17} {'err':>8}"]
+    for name, e in report["shapes"].items():
+        fc1 = e.get("kernels", {}).get("fc1_glu", {}).get("of_peak", float("nan"))
+        lines.append(
+            f"{name:16} {e['unfused']['fwd_bwd_ms']:9.2f}ms {e['triton']['fwd_bwd_ms']:10.2f}ms "
+            f"{e['speedup']['fwd']:6.2f} {e['speedup']['bwd']:6.2f} {e['speedup']['fwd_bwd']:6.2f} "
+            f"{e['triton']['fwd_bwd_tflops']:8.0f} {e['triton']['fwd_bwd_of_peak']:7.0%} {fc1:6.0%} "
+            f"{e['unfused']['peak_mem_gib']:8.2f}/{e['triton']['peak_mem_gib']:<8.2f} {e['rel_err_vs_unfused']:8.1e}")
+    return "\n".join(lines)
+
+
+def save(report: Dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = report["date"][:10]
+    gpu = report["gpu"].replace(" ", "_")
+    base = os.path.join(out_dir, f"experts_{gpu}_{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    with open(base + ".txt", "w") as f:
+        f.write(summary_table(report) + "\n")
+    try:
+        plot(report, base + ".png")
+    except ImportError:
+        pass
+    return base
+
+
+def plot(report: Dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["shapes"])
+    peak = report["ceilings"]["bf16_gemm_tflops"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.38
+    xs = range(len(names))
+    for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "fwd_bwd_tflops", "forward + backward")):
+        for i, impl in enumerate(("unfused", "triton")):
+            vals = [report["shapes"][n][impl][key] for n in names]
+            ax.bar([x + (i - 0.5) * width for x in xs], vals, width, label=impl)
+        ax.axhline(peak, color="k", ls="--", lw=1, label=f"cuBLAS 8192^3 ({peak:.0f})")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, rotation=30, ha="right")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{title} — {report['gpu']}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"expert MLP, BF16, torch {report['torch']}, triton {report['triton']}, {report['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
