@@ -96,8 +96,8 @@ def test_bit_exact_128x128_tiles(axis, power_2):
                 assert float(q.scale[ti, tj]) == scale_inv, where
                 assert data[r][cols.start : cols.stop] == codes, where
     other = fp8_block.quantize(x, block=(128, 128), axis=1 - axis, power_2_scale=power_2)
-    assert torch.equal(other.scale, q.scale)
-    assert torch.equal(fp8_block.dequantize(other).nan_to_num(), fp8_block.dequantize(q).nan_to_num())
+    assert torch.equal(other.scale, q.scale), f"seed={seed}"
+    assert torch.equal(fp8_block.dequantize(other).nan_to_num(), fp8_block.dequantize(q).nan_to_num()), f"seed={seed}"
 
 
 @pytest.mark.parametrize("fmt,mbits", [("e4m3", 3), ("e5m2", 2)])

@@ -134,7 +134,7 @@ def test_stochastic_rounding_unbiased_and_neighbours():
     xs = x.repeat(draws, 1)
     # Same scales for every draw: the global amax is the same and block amaxes repeat.
     q = nvfp4.quantize(xs, stochastic_rounding=True, generator=g)
-    assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8).repeat(draws, 1))
+    assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8).repeat(draws, 1)), f"seed={seed}"
     dy = formats.decode(_codes(q), formats.E2M1, torch.float64).reshape(draws, 4, 32)
     # Work on the E2M1 grid of each block: y = x * r with r = 1 / (block scale * S_dec).
     s = ref.scale.to(torch.float64).repeat_interleave(16, dim=1)
@@ -170,7 +170,7 @@ def test_2d_tiles_bit_exact_and_shared(axis):
     x = torch.randn(40, 35, generator=g) * torch.exp2(torch.randint(-10, 10, (40, 1), generator=g).float())
     x[3, 4] = float("nan")
     q = nvfp4.quantize(x, axis=axis, block_2d=True)
-    assert q.scale.shape == (3, 3)
+    assert q.scale.shape == (3, 3), f"seed={seed}"
     codes = _codes(q)
     scales = q.scale.view(torch.uint8).tolist()
     xs = as_lists(x)
@@ -189,8 +189,8 @@ def test_2d_tiles_bit_exact_and_shared(axis):
                 assert codes[r, cols.start : cols.stop].tolist() == want, where
     # The dequantized tensor uses one scale per tile, the same for both axes.
     other = nvfp4.quantize(x, axis=1 - axis, block_2d=True)
-    assert torch.equal(other.scale.view(torch.uint8), q.scale.view(torch.uint8))
-    assert torch.equal(nvfp4.dequantize(other).nan_to_num(), deq.nan_to_num())
+    assert torch.equal(other.scale.view(torch.uint8), q.scale.view(torch.uint8)), f"seed={seed}"
+    assert torch.equal(nvfp4.dequantize(other).nan_to_num(), deq.nan_to_num()), f"seed={seed}"
 
 
 def test_round_trip_error_bound():

@@ -49,6 +49,8 @@ def fake_quantize(
       (``qdq(t·M)·Mᵀ``), so a product of two such operands equals TE's product of the transformed
       operands up to float32 rounding of the output. With a length that is not a multiple of 16
       that identity needs the padded tail, which is cropped: TE requires multiples of 16 there.
+      The NVFP4 tensor scale comes from all of ``t``: to emulate TE's grouped GEMMs, which
+      quantize each expert's slice on its own, call this once per expert.
     * FP8 block: ``recipe.block_dim(role)`` 1 -> 1x128 blocks along ``axis``, 2 -> 128x128 tiles;
       power-of-two scales unless ``use_f32_scales``; format ``recipe.fp8_format.for_role(role)``.
     """

@@ -11,10 +11,12 @@ Rules (TE's CUDA kernel ``transformer_engine/common/cast/mxfp8/quantize_mxfp8.cu
    power of two **up**, satfinite (0 -> 2^-127, Inf -> 2^127, NaN -> 255): see
    :func:`formats.e8m0_encode`.
 3. Elements: ``cast(x * exp2f_rcp(e))`` — a float32 multiply by ``2^(127-e)`` then FP8 round to
-   nearest even, **satfinite** (±Inf -> ±max), NaN -> NaN (``0x7F``).
+   nearest even, **satfinite** (±Inf -> ±max), NaN -> NaN (``0x7F``). (TE's BF16-input variants
+   multiply in BF16; a power-of-two multiply is exact there too, except in BF16's subnormal
+   range, where the FP8 result is ±0 either way.)
 
-Because the scale rounds up, ``amax * 2^(127-e) <= max`` always holds and no finite element
-saturates. A length along ``axis`` that is not a multiple of 32 ends with a short block (zero
+Because the scale rounds up, every finite element lands within rounding distance of the FP8
+range, so in practice only ±Inf saturates. A length along ``axis`` that is not a multiple of 32 ends with a short block (zero
 padding, which never changes amax).
 
 Layout: ``data`` has the shape of the input (torch float8 dtype); ``scale`` (uint8 E8M0 biased

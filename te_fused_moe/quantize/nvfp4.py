@@ -193,6 +193,9 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype: expected torch.float32 or torch.float64, got {dtype}")
     axis, n = q.axis, q.shape[q.axis]
+    expected = expected_scale_shape(q.shape, axis, q.block_2d)
+    if tuple(q.scale.shape) != expected:
+        raise ValueError(f"q.scale: expected shape {expected} for a tensor of shape {q.shape}, got {tuple(q.scale.shape)}")
     values = formats.decode(unpack_e2m1(q.data, axis, n), formats.E2M1, dtype)
     scale = formats.decode(q.scale.view(torch.uint8), formats.E4M3, dtype)
     if dtype == torch.float32:
