@@ -9,9 +9,8 @@ Rules (TE's CUDA kernels ``transformer_engine/common/transpose/quantize_transpos
 2. ``scale = fp8_max / amax`` (float32 division, ``__fdiv_rn``; fp8_max 448 for E4M3, 57344 for
    E5M2); ``scale = 1`` when amax is 0, Inf or NaN (the CUDA rule; TE's PyTorch current-scaling
    reference ``pytorch/custom_recipes/reference_current_scaling.py`` uses 0 for an Inf amax);
-   an Inf quotient (amax tiny) becomes the
-   largest finite value of the *input* dtype (``value_for_inf``: float32 max, or bfloat16/float16
-   max for those inputs). With ``power_2_scale`` (TE's default, ``use_f32_scales=False``) the
+   an Inf quotient (amax tiny) becomes the largest finite value of the *input* dtype
+   (``value_for_inf``: float32 max, or bfloat16/float16 max for those inputs). With ``power_2_scale`` (TE's default, ``use_f32_scales=False``) the
    mantissa bits of the scale are cleared, i.e. the scale rounds **down** to a power of two, so
    ``amax * scale <= fp8_max`` still holds.
 3. Elements: ``cast(x * scale)`` — float32 multiply, FP8 round to nearest even, satfinite
