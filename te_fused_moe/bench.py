@@ -196,9 +196,9 @@ def bench_kernels(shape: Shape, inputs, peak_tflops: float, fc1_config=None, fc2
     T, H, F, n1 = x.shape[0], shape.hidden, shape.ffn, w1.shape[1]
     routed = int(counts.sum())
     kw = dict(activation=act.name, alpha=act.alpha, limit=act.limit, gated=act.gated)
-    h = torch.empty(T, n1, device="cuda", dtype=x.dtype)
-    a = torch.empty(T, F, device="cuda", dtype=x.dtype)
-    y = torch.empty(T, H, device="cuda", dtype=x.dtype)
+    h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
+    a = torch.empty(T, F, device=x.device, dtype=x.dtype)
+    y = torch.empty(T, H, device=x.device, dtype=x.dtype)
     dh = torch.empty_like(h)
     dx = torch.empty_like(x)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
@@ -325,3 +325,61 @@ def plot(report: Dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# --- block-size variants (run on the device to choose the defaults) ---------------------------------
+
+def variant_sets():
+    """A few block configurations per kernel, named; ``default`` is what the backend uses."""
+    from .backends.triton.grouped_gemm import GemmConfig
+    from .backends.triton.wgrad import WgradConfig
+
+    G, W = GemmConfig, WgradConfig
+    return {
+        "default": {},
+        "v1": dict(fc1_config=G(block_n=128, num_stages=3), fc2_config=G(block_n=128, num_stages=4),
+                   dact_config=G(block_n=128, num_stages=4), dgrad_config=G(block_n=128, num_stages=4),
+                   wgrad_config=W(num_stages=4)),
+        "v2": dict(fc1_config=G(block_n=64, num_stages=4), fc2_config=G(block_n=256, num_stages=4),
+                   dact_config=G(block_n=64, num_stages=3), dgrad_config=G(block_n=256, num_stages=4),
+                   wgrad_config=W(block_k=256)),
+        "v3": dict(fc1_config=G(block_n=128, num_stages=4, group_m=16), fc2_config=G(block_n=256, group_m=16),
+                   dact_config=G(block_n=64, num_stages=5), dgrad_config=G(block_n=256, group_m=16),
+                   wgrad_config=W(block_n=256)),
+        "v4": dict(fc1_config=G(block_m=64, block_n=128, num_warps=4, num_stages=4),
+                   fc2_config=G(block_m=64, block_n=256, num_warps=4, num_stages=4),
+                   dact_config=G(block_m=64, block_n=64, num_warps=4, num_stages=4),
+                   dgrad_config=G(block_m=64, block_n=256, num_warps=4, num_stages=4),
+                   wgrad_config=W(block_m=32, num_warps=4, num_stages=4)),
+    }
+
+
+def tune(shape_names: List[str], out_dir: Optional[str] = None) -> Dict:
+    """Time every kernel under each variant set; report the best per kernel and shape."""
+    peak = measure_ceilings()["bf16_gemm_tflops"]
+    results: Dict = {"peak_tflops": peak, "shapes": {}}
+    for name in shape_names:
+        shape = SHAPES[name]
+        inputs = make_inputs(shape)
+        per_variant = {}
+        for variant, configs in variant_sets().items():
+            try:
+                per_variant[variant] = bench_kernels(shape, inputs, peak, **configs)
+            except Exception as exc:  # a config that does not compile/fit: record why, keep going
+                per_variant[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        results["shapes"][name] = per_variant
+        del inputs
+        torch.cuda.empty_cache()
+    lines = [f"{'shape':16} {'kernel':15} " + " ".join(f"{v:>8}" for v in variant_sets()) + "   (TFLOP/s)"]
+    for name, per_variant in results["shapes"].items():
+        kernels = next((v for v in per_variant.values() if "error" not in v), {})
+        for kernel in kernels:
+            vals = [per_variant[v].get(kernel, {}).get("tflops", float("nan")) if "error" not in per_variant[v]
+                    else float("nan") for v in variant_sets()]
+            lines.append(f"{name:16} {kernel:15} " + " ".join(f"{x:8.0f}" for x in vals))
+    results["table"] = "\n".join(lines)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "tune.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return results
