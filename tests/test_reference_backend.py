@@ -60,8 +60,12 @@ def _case_id(c):
     return f"{c['activation']}-E{c['E']}-{c['routing']}{'-bias' if c['bias'] else ''}{'-probs' if c['probs'] else ''}-pad{c['padding']}"
 
 
-@pytest.mark.parametrize("case", SWEEP, ids=_case_id)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+# bf16 on every other case (bias/probs/padding still rotate through all values) to keep CI short.
+SWEEP_DTYPES = [(case, torch.float32, 1e-5) for case in SWEEP] + [(c, torch.bfloat16, 1e-2) for i, c in enumerate(SWEEP) if (i + i // 4) % 2 == 0]
+
+
+@pytest.mark.parametrize("case,dtype,tol", SWEEP_DTYPES,
+                         ids=[f"{'fp32' if d == torch.float32 else 'bf16'}-{_case_id(c)}" for c, d, _ in SWEEP_DTYPES])
 def test_sweep_vs_fp64(case, dtype, tol):
     T = 96 if case["E"] == 64 else 40
     problem = random_problem(T, 32, 16, case["E"], case["activation"], dtype=dtype, bias=case["bias"],
