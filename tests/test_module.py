@@ -180,3 +180,18 @@ def test_load_state_dict_round_trip():
     b.load_state_dict(a.state_dict())
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb and torch.equal(pa, pb)
+
+
+def test_autocast_recipe_reaches_the_computation(monkeypatch):
+    """End to end: a module without a recipe under (mocked) TE autocast computes what an explicit
+    MXFP8 module computes, and differs from BF16."""
+    torch.manual_seed(3)
+    explicit = FusedGroupedMLP(3, 64, 32, recipe="mxfp8", backend="reference")
+    implicit = FusedGroupedMLP(3, 64, 32, backend="reference")
+    implicit.load_state_dict(explicit.state_dict())
+    x, counts = torch.randn(40, 64), torch.tensor([10, 0, 28])
+    y_bf16 = implicit(x, counts)
+    monkeypatch.setattr(module_lib, "_te_autocast_recipe", lambda: MXFP8BlockScaling())
+    y_auto = implicit(x, counts)
+    assert torch.equal(y_auto, explicit(x, counts))
+    assert rel_err(y_auto, y_bf16) > 1e-2

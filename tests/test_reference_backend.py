@@ -288,3 +288,13 @@ def test_quantized_recipe_by_name_through_the_op(recipe):
     assert torch.equal(y_name, y_obj)
     ref = quantized_expert_mlp_fp64(**problem, recipe=te_fused_moe.as_recipe(recipe), activation="swiglu")
     assert rel_err(y_name, ref["y"]) < 2e-3
+
+
+def test_auto_on_cpu_is_the_reference(recwarn):
+    problem = random_problem(30, 32, 16, 3, "swiglu", bias=True, probs=True, routing="zipf", padding=2, seed=9)
+    args = (problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"])
+    kwargs = dict(b1=problem["b1"], b2=problem["b2"], probs=problem["probs"], recipe="mxfp8")
+    y_auto = te_fused_moe.fused_moe_mlp(*args, backend="auto", **kwargs)
+    y_ref = te_fused_moe.fused_moe_mlp(*args, backend="reference", **kwargs)
+    assert torch.equal(y_auto, y_ref)
+    assert not [w for w in recwarn if "fell back" in str(w.message)]  # the warning is for GPUs only
