@@ -9,7 +9,8 @@ columnwise copies. ``axis`` below is always the operand's reduction axis:
     wgrad  dw = dy.T @ x    dy [n, N] along n (axis 0),  x [n, K] along n (axis 0)
 
 Called once per expert, so token-dimension blocks (wgrad) restart at each expert's first row, as
-they do in a grouped kernel whose groups start on block boundaries.
+they do in a grouped kernel whose groups start on block boundaries. NVFP4's stochastic rounding of
+gradients draws from PyTorch's default generator: seed it (``torch.manual_seed``) for repeatable runs.
 """
 
 from __future__ import annotations
