@@ -5,6 +5,9 @@ first imported; other tests of the same pytest process may already have imported
 the kernels run in one fresh subprocess (:func:`_run_worker`) that checks every case against the
 FP64 reference and reports numbers as JSON; the tests below assert on those numbers.
 
+Both load paths are covered: TMA tensor descriptors (the default where operands allow) and plain
+pointer loads (``grouped_gemm.USE_TMA_DEFAULT = False`` for the cases marked ``ptr``).
+
 Every kernel buffer is poisoned with NaN (``autograd.new_buffer`` is replaced in the worker), so an
 element a kernel fails to write shows up as NaN in an error or an exact-zero check.
 """
@@ -33,6 +36,8 @@ CASES = [
     ("swiglu-e5-one", 100, 48, 32, 5, "swiglu", False, True, "one", 4, "bfloat16", False),
     ("gptoss-e3-bias-noprobs", 64, 48, 40, 3, "gpt_oss_swiglu", True, False, "zipf", 5, "bfloat16", False),
     ("swiglu-e3-determ", 96, 48, 72, 3, "swiglu", True, True, "empty", 6, "bfloat16", True),
+    ("swiglu-e3-ptr", 96, 48, 40, 3, "swiglu", True, True, "empty", 5, "bfloat16", False),
+    ("gptoss-e5-ptr", 128, 64, 64, 5, "gpt_oss_swiglu", True, True, "zipf", 3, "bfloat16", True),
     ("swiglu-e3-fp16", 96, 48, 40, 3, "swiglu", True, True, "balanced", 5, "float16", False),
     ("srelu-e3-allpad", 32, 32, 32, 3, "srelu", True, True, "balanced", 32, "bfloat16", False),
 ]
@@ -50,12 +55,14 @@ def _worker() -> None:
 
     from te_fused_moe import fused_moe_mlp
     from te_fused_moe.backends.triton import autograd as triton_autograd
+    from te_fused_moe.backends.triton import grouped_gemm
 
     real_new_buffer = triton_autograd.new_buffer
     triton_autograd.new_buffer = lambda *a, **k: poison_(real_new_buffer(*a, **k))
 
     results = {}
     for case_id, T, H, F, E, act, bias, probs, routing, padding, dtype, determ in CASES:
+        grouped_gemm.USE_TMA_DEFAULT = not case_id.endswith("-ptr")
         p = random_problem(T, H, F, E, activation=act, dtype=getattr(torch, dtype), bias=bias, probs=probs,
                            routing=routing, padding=padding)
         leaves = {k: (v.clone().requires_grad_(True) if (k in GRADS and v is not None) else v) for k, v in p.items()}

@@ -51,9 +51,24 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    use_tma: bool = True  # TMA loads where the operands allow (see _tma_allowed), else pointer loads
 
 
 INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+# Tests flip this to cover the pointer-load path under the interpreter as well.
+USE_TMA_DEFAULT = True
+
+
+def _tma_allowed(a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, k: int, block_k: int) -> bool:
+    """TMA needs 16-byte aligned bases and row strides and unit inner strides. When B is read
+    row-major ([E * K, N] view), a K tail would spill into the next expert's rows, so K must be a
+    whole number of blocks there (when B is K-major the K tail is the tensor edge: zero-filled)."""
+    elt = a.element_size()
+    return (
+        a.stride(1) == 1 and b.is_contiguous() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        and (a.stride(0) * elt) % 16 == 0 and (b.shape[2] * elt) % 16 == 0
+        and (b_kmajor or k % block_k == 0)
+    )
 
 
 def default_config(mode: int, gated: bool, n: int, k: int) -> GemmConfig:
@@ -71,8 +86,8 @@ def default_config(mode: int, gated: bool, n: int, k: int) -> GemmConfig:
 
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, stride_am, stride_ak,
-    b_ptr, stride_be, stride_bk, stride_bn, b_up_offset,
+    a_src, stride_am, stride_ak,
+    b_src, stride_be, stride_bk, stride_bn, b_up_offset, B_ROWS,
     c_ptr, stride_cm, c_up_offset,
     h_ptr, stride_hm, h_up_offset,
     bias_ptr, stride_bias_e, bias_up_offset,
@@ -81,7 +96,8 @@ def grouped_gemm_kernel(
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -108,22 +124,40 @@ def grouped_gemm_kernel(
     cols = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < row_end
     col_ok = cols < N
-    rows_in = tl.minimum(rows, T - 1).to(tl.int64)
-    if EVEN_N:  # keep the column indices provably contiguous, so B loads vectorise and pipeline
-        cols_in = cols.to(tl.int64)
-    else:
-        cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BK)
-
-    a_ptrs = a_ptr + rows_in[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + cols_in[None, :] * stride_bn
+    if USE_TMA:
+        # TMA: A is a [T, K] descriptor, B a 2D view of the weight ([E * rows, cols]); out-of-tensor
+        # boxes are zero-filled; rows/columns of a neighbouring expert only reach masked outputs.
+        a_row = row_start + (pid_m - tile_start) * BM
+        if B_KMAJOR:
+            b_row = expert * B_ROWS + pid_n * BN
+        else:
+            b_row = expert * K
+    else:
+        rows_in = tl.minimum(rows, T - 1).to(tl.int64)
+        # keep column indices provably contiguous so that B loads vectorise (and so pipeline)
+        if EVEN_N:
+            cols_in = cols.to(tl.int64)
+        elif N_VEC8:  # wraps at a multiple of 8: every aligned 8-vector stays contiguous
+            cols_in = tl.max_contiguous(tl.multiple_of(cols % N, 8), 8).to(tl.int64)
+        else:
+            cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+        a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_src + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + cols_in[None, :] * stride_bn
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     k_tiles = tl.where(is_padding, 0, tl.cdiv(K, BK))
     for kt in range(0, k_tiles):
-        if EVEN_K:
+        if USE_TMA:
+            k0 = kt * BK
+            a = a_src.load([a_row, k0])
+            if B_KMAJOR:
+                b = b_src.load([b_row, k0]).T
+            else:
+                b = b_src.load([b_row + k0, pid_n * BN])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
@@ -135,15 +169,18 @@ def grouped_gemm_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
         if GATED and MODE == 1:
-            if EVEN_K:
+            if USE_TMA:
+                b_up = b_src.load([b_row + b_up_offset, k0]).T
+            elif EVEN_K:
                 b_up = tl.load(b_ptrs + b_up_offset)
             else:
                 b_up = tl.load(b_ptrs + b_up_offset, mask=offs_k[:, None] < k_left, other=0.0)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             acc_up = tl.dot(a, b_up, acc_up)
-        a_ptrs += BK * stride_ak
-        b_ptrs += BK * stride_bk
+        if not USE_TMA:
+            a_ptrs += BK * stride_ak
+            b_ptrs += BK * stride_bk
 
     # --- epilogue, FP32
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -209,7 +246,7 @@ def launch(
     c: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     *,
-    b_up_offset: int = 0,
+    b_up_rows: int = 0,
     c_up_offset: int = 0,
     h: Optional[torch.Tensor] = None,
     h_up_offset: int = 0,
@@ -242,9 +279,22 @@ def launch(
     m_tiles = max_m_tiles(num_rows, num_experts, cfg.block_m)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     dummy = c
+    b_kmajor = b_strides[1] == 1 and b_strides[2] != 1
+    use_tma = cfg.use_tma and USE_TMA_DEFAULT and _tma_allowed(a, b, b_kmajor, k, cfg.block_k)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_rows = b.shape[1]
+        a_src = TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+        b_block = [cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]
+        b_src = TensorDescriptor(b, [b.shape[0] * b_rows, b.shape[2]], [b.shape[2], 1], b_block)
+        b_up_offset = b_up_rows
+    else:
+        a_src, b_src, b_rows = a, b, 0
+        b_up_offset = b_up_rows * b_strides[2]
     return grouped_gemm_kernel[grid](
-        a, a.stride(0), a.stride(1),
-        b, b_strides[0], b_strides[1], b_strides[2], b_up_offset,
+        a_src, a.stride(0), a.stride(1),
+        b_src, b_strides[0], b_strides[1], b_strides[2], b_up_offset, b_rows,
         c, c.stride(0), c_up_offset,
         h if h is not None else dummy, h.stride(0) if h is not None else 0, h_up_offset,
         bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, bias_up_offset,
@@ -256,7 +306,8 @@ def launch(
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, UPCAST=interpreting(),
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, N_VEC8=n % 8 == 0, USE_TMA=use_tma,
+        B_KMAJOR=b_kmajor, UPCAST=interpreting(),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -269,7 +320,7 @@ def fc1_forward(x, w1, tokens_per_expert, h, a, *, activation, alpha, limit, gat
     """h = x @ w1[e]^T + b1[e] (saved for backward), a = act(h) * p. ``B_e[k, n] = w1[e, n, k]``."""
     ffn = a.shape[1]
     return launch(MODE_ACT_FWD, x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), ffn, x.shape[1], a,
-           tokens_per_expert, b_up_offset=ffn * w1.stride(1), h=h, h_up_offset=ffn, bias=b1,
+           tokens_per_expert, b_up_rows=ffn, h=h, h_up_offset=ffn, bias=b1,
            bias_up_offset=ffn, probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
            config=config, schedules=schedules)
 

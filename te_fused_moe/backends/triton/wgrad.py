@@ -19,7 +19,14 @@ import triton
 import triton.language as tl
 
 from .act_math import to_output
+from . import grouped_gemm as gg
 from .grouped_gemm import interpreting
+
+
+def _tma_allowed(grad_out: torch.Tensor, inputs: torch.Tensor) -> bool:
+    elt = grad_out.element_size()
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * elt) % 16 == 0
+               for t in (grad_out, inputs))
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class WgradConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    use_tma: bool = True
 
 
 INTERPRET_WGRAD_CONFIG = WgradConfig(block_n=32, block_k=32, block_m=16, group_n=2, num_warps=4, num_stages=1)
@@ -42,15 +50,34 @@ def default_wgrad_config(n: int, k: int) -> WgradConfig:
 
 
 @triton.jit
+def _masked_tile(ptr, stride_m, m0, row_end, cols, BM: tl.constexpr):
+    rows = m0 + tl.arange(0, BM)
+    return tl.load(ptr + rows.to(tl.int64)[:, None] * stride_m + cols[None, :], mask=(rows < row_end)[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _column_indices(cols, N, EVEN: tl.constexpr, VEC8: tl.constexpr):
+    """In-bounds column indices that the compiler can still prove contiguous (so loads vectorise)."""
+    if EVEN:
+        out = cols
+    elif VEC8:  # wraps at a multiple of 8: every aligned 8-vector stays contiguous
+        out = tl.max_contiguous(tl.multiple_of(cols % N, 8), 8)
+    else:
+        out = tl.minimum(cols, N - 1)
+    return out
+
+
+@triton.jit
 def wgrad_kernel(
-    g_ptr, stride_gm,
-    x_ptr, stride_xm,
+    g_src, g_ptr, stride_gm,
+    x_src, x_ptr, stride_xm,
     dw_ptr, stride_dw_e, stride_dw_n,
     db_ptr, stride_db_e,
     sched_ptr,
     N, K, NUM_GROUPS,
-    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, N_VEC8: tl.constexpr,
+    K_VEC8: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -70,32 +97,49 @@ def wgrad_kernel(
 
     cols_n = pid_n * BN + tl.arange(0, BN)
     cols_k = pid_k * BK + tl.arange(0, BK)
-    # clamped indices would hide contiguity from the compiler; only clamp where a tile overhangs
-    if EVEN_N:
-        n_in = cols_n
-    else:
-        n_in = tl.minimum(cols_n, N - 1)
-    if EVEN_K:
-        k_in = cols_k
-    else:
-        k_in = tl.minimum(cols_k, K - 1)
-    offs_m = tl.arange(0, BM)
-
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     bias_acc = tl.zeros((BN,), dtype=tl.float32)
-    for m0 in range(row_start, row_end, BM):
-        rows = m0 + offs_m
-        row_ok = rows < row_end
-        rows64 = rows.to(tl.int64)
-        g = tl.load(g_ptr + rows64[:, None] * stride_gm + n_in[None, :], mask=row_ok[:, None], other=0.0)
-        x = tl.load(x_ptr + rows64[:, None] * stride_xm + k_in[None, :], mask=row_ok[:, None], other=0.0)
-        if HAS_BIAS:
-            if pid_k == 0:
-                bias_acc += tl.sum(g.to(tl.float32), axis=0)
-        if UPCAST:
-            g = g.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(tl.trans(g), x, acc)
+    if USE_TMA:
+        # whole BM-row chunks by TMA (past-the-edge columns are zero-filled) ...
+        full_chunks = (row_end - row_start) // BM
+        for i in range(0, full_chunks):
+            m0 = row_start + i * BM
+            g = g_src.load([m0, pid_n * BN])
+            x = x_src.load([m0, pid_k * BK])
+            if HAS_BIAS:
+                if pid_k == 0:
+                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
+            if UPCAST:
+                g = g.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(tl.trans(g), x, acc)
+        # ... then the expert's last partial chunk, masked by row (the next rows are another expert's)
+        m0 = row_start + full_chunks * BM
+        if m0 < row_end:
+            n_in = tl.minimum(cols_n, N - 1)
+            k_in = tl.minimum(cols_k, K - 1)
+            g = _masked_tile(g_ptr, stride_gm, m0, row_end, n_in, BM)
+            x = _masked_tile(x_ptr, stride_xm, m0, row_end, k_in, BM)
+            if HAS_BIAS:
+                if pid_k == 0:
+                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
+            if UPCAST:
+                g = g.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(tl.trans(g), x, acc)
+    else:
+        n_in = _column_indices(cols_n, N, EVEN_N, N_VEC8)
+        k_in = _column_indices(cols_k, K, EVEN_K, K_VEC8)
+        for m0 in range(row_start, row_end, BM):
+            g = _masked_tile(g_src, stride_gm, m0, row_end, n_in, BM)
+            x = _masked_tile(x_src, stride_xm, m0, row_end, k_in, BM)
+            if HAS_BIAS:
+                if pid_k == 0:
+                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
+            if UPCAST:
+                g = g.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(tl.trans(g), x, acc)
 
     n_ok = cols_n < N
     k_ok = cols_k < K
@@ -112,15 +156,23 @@ def grouped_wgrad(grad_out: torch.Tensor, inputs: torch.Tensor, schedule: torch.
     num_experts, n, k = dw.shape
     cfg = config or default_wgrad_config(n, k)
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
+    use_tma = cfg.use_tma and gg.USE_TMA_DEFAULT and _tma_allowed(grad_out, inputs)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        g_src = TensorDescriptor(grad_out, list(grad_out.shape), [grad_out.stride(0), 1], [cfg.block_m, cfg.block_n])
+        x_src = TensorDescriptor(inputs, list(inputs.shape), [inputs.stride(0), 1], [cfg.block_m, cfg.block_k])
+    else:
+        g_src, x_src = grad_out, inputs
     return wgrad_kernel[grid](
-        grad_out, grad_out.stride(0),
-        inputs, inputs.stride(0),
+        g_src, grad_out, grad_out.stride(0),
+        x_src, inputs, inputs.stride(0),
         dw, dw.stride(0), dw.stride(1),
         db if db is not None else dw, db.stride(0) if db is not None else 0,
         schedule,
         n, k, num_experts + 1,
         HAS_BIAS=db is not None, EVEN_N=n % cfg.block_n == 0,
-        EVEN_K=k % cfg.block_k == 0, UPCAST=interpreting(),
+        EVEN_K=k % cfg.block_k == 0, N_VEC8=n % 8 == 0, K_VEC8=k % 8 == 0, USE_TMA=use_tma, UPCAST=interpreting(),
         BN=cfg.block_n, BK=cfg.block_k, BM=cfg.block_m, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
