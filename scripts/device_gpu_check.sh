@@ -19,6 +19,10 @@ for step in $STEPS; do
       timeout ${TESTS_TIMEOUT:-170} python -m pytest -m gpu tests/gpu/test_triton_gpu.py -q -x -p no:cacheprovider \
         > "$OUT/pytest_triton_gpu.log" 2>&1
       echo "pytest exit $?"; tail -5 "$OUT/pytest_triton_gpu.log";;
+    reliability)  # the team's reliability tests also drive backend='triton'
+      timeout ${REL_TIMEOUT:-60} python -m pytest -m gpu tests/gpu/test_reliability_gpu.py -q -p no:cacheprovider \
+        > "$OUT/pytest_reliability_gpu.log" 2>&1
+      echo "reliability pytest exit $?"; tail -3 "$OUT/pytest_reliability_gpu.log";;
     bench)
       timeout ${BENCH_TIMEOUT:-200} python scripts/bench_experts.py --shapes ${SHAPES:-all} --out "$OUT" \
         > "$OUT/bench.log" 2>&1

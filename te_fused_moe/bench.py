@@ -338,17 +338,16 @@ def variant_sets():
     return {
         "default": {},
         "ptr": dict(fc1_config=G(block_n=128, num_stages=4, use_tma=False), fc2_config=G(block_n=256, use_tma=False),
-                    dact_config=G(block_n=64, num_stages=4, use_tma=False), dgrad_config=G(block_n=256, use_tma=False),
-                    wgrad_config=W(use_tma=False)),
+                    dact_config=G(block_n=128, num_stages=4, use_tma=False),
+                    dgrad_config=G(block_n=256, num_stages=4, use_tma=False), wgrad_config=W(use_tma=False)),
+        "run2": dict(fc2_config=G(block_n=256, num_stages=3), dact_config=G(block_n=64, num_stages=4),
+                     dgrad_config=G(block_n=256, num_stages=3), wgrad_config=W(block_k=128)),
         "v1": dict(fc1_config=G(block_n=128, num_stages=3), fc2_config=G(block_n=128, num_stages=4),
-                   dact_config=G(block_n=128, num_stages=4), dgrad_config=G(block_n=128, num_stages=4),
+                   dact_config=G(block_n=128, num_stages=3), dgrad_config=G(block_n=128, num_stages=4),
                    wgrad_config=W(num_stages=4)),
-        "v2": dict(fc1_config=G(block_n=128, num_stages=4, group_m=4), fc2_config=G(block_n=256, num_stages=4),
-                   dact_config=G(block_n=64, num_stages=3), dgrad_config=G(block_n=256, num_stages=4),
-                   wgrad_config=W(block_k=256)),
         "v3": dict(fc1_config=G(block_n=128, num_stages=4, group_m=16), fc2_config=G(block_n=256, group_m=16),
-                   dact_config=G(block_n=64, num_stages=5), dgrad_config=G(block_n=256, group_m=16),
-                   wgrad_config=W(block_n=256)),
+                   dact_config=G(block_n=128, num_stages=4, group_m=16), dgrad_config=G(block_n=256, group_m=16),
+                   wgrad_config=W(block_n=256, block_k=128)),
     }
 
 

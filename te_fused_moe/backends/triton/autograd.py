@@ -66,7 +66,7 @@ class TritonExpertMLP(torch.autograd.Function):
         schedules = {}
         if need_dh or want_dprob:
             dh = new_buffer(h.shape, h)
-            cfg = gg.default_config(gg.MODE_ACT_BWD, ctx.act["gated"], w2.shape[2], hidden)
+            cfg = gg.default_config("dact", w2.shape[2], hidden)
             dprob_buf = None
             if want_dprob:
                 if ctx.deterministic:

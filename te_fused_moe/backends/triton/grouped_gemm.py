@@ -71,17 +71,21 @@ def _tma_allowed(a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, k: int, block
     )
 
 
-def default_config(mode: int, gated: bool, n: int, k: int) -> GemmConfig:
-    """Block sizes for sm_90 (wgmma wants BM=128, BK=64, 8 warps); interpreter gets small tiles."""
+def default_config(kind: str, n: int, k: int) -> GemmConfig:
+    """Block sizes for sm_90, from the H200 measurements in ``benchmarks/NOTES.md`` (wgmma wants
+    BM=128, BK=64, 8 warps). ``kind``: "fc1", "fc2", "dact" (FC2 dgrad + dGLU) or "dgrad" (FC1 dgrad).
+    The interpreter gets small tiles."""
     if interpreting():
         return INTERPRET_CONFIG
-    if mode == MODE_ACT_FWD and gated:
+    if kind == "fc1":
         return GemmConfig(block_n=128, num_stages=4)  # two 128-wide accumulators = a 256-wide tile
-    if mode == MODE_ACT_BWD:
-        # BN=128 spills the dGLU epilogue (acc, gate, up and their grads live at once): ~500-800
-        # spill stores per thread in SASS for swiglu/gpt_oss_swiglu; BN=64 spills ~10.
-        return GemmConfig(block_n=64, num_stages=4)
-    return GemmConfig(block_n=256 if n >= 256 else 128, num_stages=3)
+    if kind == "dact":
+        return GemmConfig(block_n=128, num_stages=4)  # epilogue split in halves (see SPLIT_EPILOGUE)
+    if kind == "fc2":
+        return GemmConfig(block_n=256, num_stages=4 if k < 1536 else 3)  # short K: deeper pipeline pays
+    if kind == "dgrad":
+        return GemmConfig(block_n=256, num_stages=4)
+    raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
 
 
 @triton.jit
@@ -97,7 +101,7 @@ def grouped_gemm_kernel(
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
-    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
+    B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -212,32 +216,51 @@ def grouped_gemm_kernel(
         value = tl.where(is_padding, 0.0, value)
         tl.store(c_ptrs, to_output(value, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
     else:
-        # acc = da, the gradient of act(h) * p; read h, write dh (gate at n, up at F + n)
-        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        if GATED:
-            u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
-        else:
-            u = g
+        # acc = da, the gradient of act(h) * p. The epilogue runs on two column halves of the tile
+        # in turn: with BN=128 the whole tile at once (da, gate, up and their grads live together)
+        # spilled ~500-800 registers per thread; halves keep the wgmma tile wide and spill little.
         if HAS_PROBS:
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
-            d_value = acc * p[:, None]
         else:
-            d_value = acc
-        dg, du, value = act_backward(g, u, d_value, alpha, limit, ACT)
-        tl.store(c_ptrs, to_output(dg, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
-        if GATED:
-            tl.store(c_ptrs + c_up_offset, to_output(du, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+            p = tl.full((BM,), 1.0, tl.float32)
+        if SPLIT_EPILOGUE:
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            cols_lo = pid_n * BN + tl.arange(0, BN // 2)
+            part = _dact_epilogue(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm, h_up_offset, c_ptr,
+                                  stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+            part += _dact_epilogue(acc_hi, rows64, row_ok, cols_lo + BN // 2, N, p, h_ptr, stride_hm, h_up_offset,
+                                   c_ptr, stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+        else:
+            part = _dact_epilogue(acc, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm,
+                                  c_up_offset, alpha, limit, ACT, GATED, UPCAST)
         if HAS_PROBS:
-            part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)
             if DPROB_PARTIALS:
                 tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
             else:
                 tl.atomic_add(dprob_ptr + rows64, part, mask=row_ok)
 
 
+@triton.jit
+def _dact_epilogue(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, c_up_offset,
+                   alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr):
+    """dh = d act(h) * (da * p) for one block of columns; returns the row sums of da * act(h)."""
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_ptrs + h_up_offset, mask=mask, other=0.0).to(tl.float32)
+    else:
+        u = g
+    dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
+    c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, to_output(dg, c_ptr.dtype.element_ty, UPCAST), mask=mask)
+    if GATED:
+        tl.store(c_ptrs + c_up_offset, to_output(du, c_ptr.dtype.element_ty, UPCAST), mask=mask)
+    return tl.sum(tl.where(mask, da * value, 0.0), axis=1)
+
+
 def launch(
-    mode: int,
+    kind: str,
     a: torch.Tensor,
     b: torch.Tensor,
     b_strides: tuple,
@@ -267,7 +290,8 @@ def launch(
     ``dprob`` is either ``[T]`` FP32 zeros (atomic row reduction) or ``[cdiv(n, BN), T]`` FP32 (one
     partial per N tile, summed later in a fixed order: the deterministic path). ``schedules`` is an
     optional dict ``block_m -> schedule`` shared by the launches of one call."""
-    cfg = config or default_config(mode, gated, n, k)
+    mode = {"fc1": MODE_ACT_FWD, "fc2": MODE_PLAIN, "dact": MODE_ACT_BWD, "dgrad": MODE_PLAIN}[kind]
+    cfg = config or default_config(kind, n, k)
     num_rows = a.shape[0]
     num_experts = tokens_per_expert.shape[0]
     if schedules is None:
@@ -307,7 +331,7 @@ def launch(
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, N_VEC8=n % 8 == 0, USE_TMA=use_tma,
-        B_KMAJOR=b_kmajor, UPCAST=interpreting(),
+        B_KMAJOR=b_kmajor, SPLIT_EPILOGUE=mode == MODE_ACT_BWD and cfg.block_n >= 32, UPCAST=interpreting(),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -319,7 +343,7 @@ def fc1_forward(x, w1, tokens_per_expert, h, a, *, activation, alpha, limit, gat
                 config=None, schedules=None):
     """h = x @ w1[e]^T + b1[e] (saved for backward), a = act(h) * p. ``B_e[k, n] = w1[e, n, k]``."""
     ffn = a.shape[1]
-    return launch(MODE_ACT_FWD, x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), ffn, x.shape[1], a,
+    return launch("fc1", x, w1, (w1.stride(0), w1.stride(2), w1.stride(1)), ffn, x.shape[1], a,
            tokens_per_expert, b_up_rows=ffn, h=h, h_up_offset=ffn, bias=b1,
            bias_up_offset=ffn, probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
            config=config, schedules=schedules)
@@ -327,7 +351,7 @@ def fc1_forward(x, w1, tokens_per_expert, h, a, *, activation, alpha, limit, gat
 
 def fc2_forward(a, w2, tokens_per_expert, y, *, b2=None, config=None, schedules=None):
     """y = a @ w2[e]^T + b2[e]. ``B_e[k, n] = w2[e, n, k]``."""
-    return launch(MODE_PLAIN, a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], a.shape[1], y,
+    return launch("fc2", a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], a.shape[1], y,
            tokens_per_expert, bias=b2, config=config, schedules=schedules)
 
 
@@ -335,12 +359,12 @@ def fc2_dgrad_dact(dy, w2, tokens_per_expert, h, dh, *, activation, alpha, limit
                    dprob=None, config=None, schedules=None):
     """da = dy @ w2[e]; dh = d act(h) * (da * p); dprob = sum_n da * act(h). ``B_e[k, n] = w2[e, k, n]``."""
     ffn = w2.shape[2]
-    return launch(MODE_ACT_BWD, dy, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), ffn, dy.shape[1], dh,
+    return launch("dact", dy, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), ffn, dy.shape[1], dh,
            tokens_per_expert, c_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob,
            activation=activation, alpha=alpha, limit=limit, gated=gated, config=config, schedules=schedules)
 
 
 def fc1_dgrad(dh, w1, tokens_per_expert, dx, *, config=None, schedules=None):
     """dx = dh @ w1[e]. ``B_e[k, n] = w1[e, k, n]``."""
-    return launch(MODE_PLAIN, dh, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), w1.shape[2], dh.shape[1], dx,
+    return launch("dgrad", dh, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), w1.shape[2], dh.shape[1], dx,
            tokens_per_expert, config=config, schedules=schedules)

@@ -32,7 +32,7 @@ def _tma_allowed(grad_out: torch.Tensor, inputs: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class WgradConfig:
     block_n: int = 128
-    block_k: int = 128
+    block_k: int = 256  # measured on the H200: 128x256 beats 128x128 by 0-15% (benchmarks/NOTES.md)
     block_m: int = 64  # rows reduced per step
     group_n: int = 8
     num_warps: int = 8
@@ -116,8 +116,8 @@ def wgrad_kernel(
         # ... then the expert's last partial chunk, masked by row (the next rows are another expert's)
         m0 = row_start + full_chunks * BM
         if m0 < row_end:
-            n_in = tl.minimum(cols_n, N - 1)
-            k_in = tl.minimum(cols_k, K - 1)
+            n_in = _column_indices(cols_n, N, EVEN_N, N_VEC8)
+            k_in = _column_indices(cols_k, K, EVEN_K, K_VEC8)
             g = _masked_tile(g_ptr, stride_gm, m0, row_end, n_in, BM)
             x = _masked_tile(x_ptr, stride_xm, m0, row_end, k_in, BM)
             if HAS_BIAS:
