@@ -67,13 +67,29 @@ def cpu_cuda_shim() -> Iterator[None]:
         "synchronize": lambda *a, **k: None,
     }
     saved = {name: getattr(torch.cuda, name) for name in replacements}
+    saved_all_to_all = torch.distributed.all_to_all_single
     try:
         for name, value in replacements.items():
             setattr(torch.cuda, name, value)
+        torch.distributed.all_to_all_single = _splits_as_lists(saved_all_to_all)
         yield
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+        torch.distributed.all_to_all_single = saved_all_to_all
+
+
+def _splits_as_lists(all_to_all_single):
+    """On GPU the all-to-all dispatcher turns its split sizes into host numpy arrays on the D2H
+    stream; on CPU they stay tensors, which ``all_to_all_single`` rejects. Pass them as lists."""
+
+    def wrapper(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        def as_list(splits):
+            return splits.tolist() if hasattr(splits, "tolist") else splits
+
+        return all_to_all_single(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
+
+    return wrapper
 
 
 def define_missing_te_names() -> None:
