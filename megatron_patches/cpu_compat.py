@@ -2,9 +2,10 @@
 
 megatron-core's router and token dispatchers call ``torch.cuda.current_device()``,
 ``torch.cuda.Stream()``, ``torch.cuda.stream(...)`` and events unconditionally (the all-to-all
-dispatcher copies counts to the host on a side stream). On a machine without CUDA,
-:func:`cpu_cuda_shim` stands in for those calls: the "current device" is the CPU, streams and
-events are no-ops (CPU work is already ordered). It does nothing where CUDA is available and
+dispatcher copies counts to the host on a side stream), and forks CUDA RNG streams around
+dropout. On a machine without CUDA, :func:`cpu_cuda_shim` stands in for those calls: the
+"current device" is the CPU, streams, events and RNG forks are no-ops (CPU work is already
+ordered; the one CPU generator is used), and all-to-all split sizes are passed as lists. It does nothing where CUDA is available and
 undoes itself on exit. Never used on the GPU path.
 """
 
@@ -68,15 +69,26 @@ def cpu_cuda_shim() -> Iterator[None]:
     }
     saved = {name: getattr(torch.cuda, name) for name in replacements}
     saved_all_to_all = torch.distributed.all_to_all_single
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    had_own_fork = "fork" in vars(tracker)
+    saved_fork = tracker.fork
     try:
         for name, value in replacements.items():
             setattr(torch.cuda, name, value)
         torch.distributed.all_to_all_single = _splits_as_lists(saved_all_to_all)
+        # Megatron forks its CUDA RNG streams around dropout; on CPU the one torch RNG is used.
+        tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
         yield
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
         torch.distributed.all_to_all_single = saved_all_to_all
+        if had_own_fork:
+            tracker.fork = saved_fork
+        else:
+            del tracker.fork
 
 
 def _splits_as_lists(all_to_all_single):

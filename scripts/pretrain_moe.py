@@ -1,0 +1,403 @@
+#!/usr/bin/env python
+"""Pretrain a Megatron Core GPT model with MoE layers, experts chosen by --moe-grouped-gemm-impl.
+
+    python scripts/pretrain_moe.py --config configs/cpu_tiny.yaml --moe-grouped-gemm-impl fused \
+        --train-iters 20 --device cpu --out runs/cpu_tiny_fused
+
+Everything comes from the megatron-core wheel (no megatron.training): parallel_state (gloo on
+CPU, NCCL on GPU, one process), ``GPTModel`` with Megatron's decoder block spec, experts picked by
+``megatron_patches.install()`` from ``moe_grouped_gemm_impl``, Megatron's ``MockGPTDataset``
+through ``BlendedMegatronDatasetBuilder`` (falls back to synthetic tokens, logged, if the dataset
+cannot be built), and Megatron's optimizer (``get_megatron_optimizer`` over a Megatron DDP
+wrapper; without TE/Apex Megatron itself falls back to torch's Adam(W)).
+
+Writes ``<out>/log.json`` (config, versions, per-step loss, tokens/s, step time, MoE-layer
+forward+backward time) and, with --plot, ``<out>/loss.png``. Timing synchronizes the GPU once per
+step for the log only; the experts themselves never sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import yaml  # noqa: E402
+
+ACTIVATIONS = ("swiglu", "geglu", "gpt_oss_swiglu", "srelu")
+
+
+def parse_args(argv=None):
+    from megatron_patches.arguments import add_megatron_args
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML model config (configs/*.yaml)")
+    parser.add_argument("--train-iters", type=int, default=None, help="iterations (default: the config's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    parser.add_argument("--out", default=None, help="output folder (default runs/<config>_<impl>)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--moe-timing-iters", type=int, default=None, help="MoE layer fwd+bwd timing repeats")
+    parser.add_argument("--plot", action="store_true", help="also write loss.png (matplotlib)")
+    add_megatron_args(parser)  # --moe-grouped-gemm-impl, same flag as with Megatron-LM
+    return parser.parse_args(argv)
+
+
+def activation_settings(name: str) -> dict:
+    """Megatron config fields for an activation name of our configs."""
+    if name == "swiglu":
+        return dict(activation_func=F.silu, gated_linear_unit=True)
+    if name == "geglu":
+        return dict(activation_func=F.gelu, gated_linear_unit=True)
+    if name == "gpt_oss_swiglu":
+        from megatron.core.activations import quick_gelu
+
+        return dict(activation_func=quick_gelu, gated_linear_unit=True, glu_linear_offset=1.0,
+                    activation_func_clamp_value=7.0)
+    if name == "srelu":
+        from megatron.core.activations import squared_relu
+
+        return dict(activation_func=squared_relu, gated_linear_unit=False)
+    raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {name!r}")
+
+
+def init_distributed(device: torch.device) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if "RANK" in os.environ:  # torchrun
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        else:
+            store = os.path.join(tempfile.mkdtemp(prefix="pretrain_moe_"), "store")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    init_method=f"file://{store}", rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
+
+
+def build_config(model: dict, impl: str, device: torch.device):
+    from megatron_patches import FusedMoETransformerConfig
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fields = dict(
+        num_layers=model["num_layers"], hidden_size=model["hidden_size"],
+        num_attention_heads=model["num_attention_heads"],
+        num_query_groups=model.get("num_query_groups"),
+        ffn_hidden_size=model.get("ffn_hidden_size", model["moe_ffn_hidden_size"]),
+        num_moe_experts=model["num_moe_experts"], moe_ffn_hidden_size=model["moe_ffn_hidden_size"],
+        moe_router_topk=model["moe_router_topk"],
+        moe_router_score_function=model.get("moe_router_score_function", "softmax"),
+        moe_router_pre_softmax=model.get("moe_router_pre_softmax", False),
+        moe_shared_expert_intermediate_size=model.get("moe_shared_expert_intermediate_size"),
+        moe_layer_freq=model.get("moe_layer_freq", 1),
+        moe_aux_loss_coeff=model.get("moe_aux_loss_coeff", 1e-2),
+        moe_token_dispatcher_type=model.get("moe_token_dispatcher_type", "alltoall"),
+        moe_grouped_gemm=impl != "sequential",
+        moe_grouped_gemm_impl=impl,
+        add_bias_linear=model.get("add_bias_linear", False),
+        normalization=model.get("normalization", "RMSNorm"),
+        qk_layernorm=model.get("qk_layernorm", False),
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+        use_cpu_initialization=device.type == "cpu",
+        init_method_std=model.get("init_method_std", 0.02),
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, bias_activation_fusion=False,
+    )
+    fields.update(activation_settings(model.get("activation", "swiglu")))
+    return FusedMoETransformerConfig(**fields)
+
+
+def build_model(config, model: dict, device: torch.device):
+    import megatron_patches
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    megatron_patches.install()  # MoELayer builds the experts named by config.moe_grouped_gemm_impl
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=model["vocab_size"],
+                   max_sequence_length=model["seq_length"], position_embedding_type="rope")
+    return gpt.to(device)
+
+
+class _MockTokenizer:
+    """What MockGPTDataset reads from a tokenizer (no files, no downloads)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eod = vocab_size - 1
+        self.pad = vocab_size - 2
+        self.unique_identifiers = {"class": "pretrain_moe mock", "vocab_size": vocab_size}
+
+    def tokenize(self, text):  # never called for mock data
+        raise NotImplementedError
+
+    def detokenize(self, ids):
+        raise NotImplementedError
+
+
+def batches(model: dict, iters: int, seed: int, device: torch.device):
+    """(tokens, labels, loss_mask, position_ids, source) per step: Megatron's MockGPTDataset, else synthetic."""
+    batch, seq = model["micro_batch_size"], model["seq_length"]
+    samples = iters * batch
+    try:
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+
+        ds_config = GPTDatasetConfig(
+            random_seed=seed, sequence_length=seq, split="1,0,0", tokenizer=_MockTokenizer(model["vocab_size"]),
+            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+            create_attention_mask=False, path_to_cache=None, mmap_bin_files=False,
+        )
+        train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [samples, None, None], lambda: True,
+                                                    ds_config).build()
+        source = "megatron.core.datasets MockGPTDataset"
+
+        def get(i):
+            item = train[i]
+            return item["tokens"], item["labels"], item["loss_mask"], item["position_ids"]
+    except Exception as exc:  # noqa: BLE001 - documented fallback, reason logged
+        generator = torch.Generator().manual_seed(seed)
+        data = torch.randint(0, model["vocab_size"], (samples, seq + 1), generator=generator)
+        source = f"synthetic tokens (MockGPTDataset unavailable: {type(exc).__name__}: {exc})"
+
+        def get(i):
+            return data[i, :-1], data[i, 1:], torch.ones(seq), torch.arange(seq)
+
+    def stack(step):
+        items = [get(step * batch + j) for j in range(batch)]
+        return [torch.stack([torch.as_tensor(item[k]) for item in items]).to(device) for k in range(4)]
+
+    return source, stack
+
+
+class Trainer:
+    """Model + optimizer step. GPU: Megatron DDP + ``get_megatron_optimizer`` (mixed precision).
+    CPU: Megatron's ``FP32Optimizer`` allocates on CUDA, so the model is stepped by the optimizer
+    class ``megatron.core.optimizer`` exports (torch's AdamW when TE/Apex are absent) with the
+    same settings (Adam, no weight decay, grad-norm clip 1.0)."""
+
+    def __init__(self, gpt, lr: float, config, device: torch.device):
+        self.clip = 1.0
+        if device.type == "cuda":
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            self.model = DistributedDataParallel(
+                config, DistributedDataParallelConfig(use_distributed_optimizer=False), gpt)
+            opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=self.clip,
+                                         bf16=config.bf16, params_dtype=config.params_dtype)
+            self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+            inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])[0]
+            self.description = (f"megatron.core.optimizer.get_megatron_optimizer -> {type(inner).__name__} "
+                                f"over torch {type(inner.optimizer).__name__}")
+            self.megatron = True
+        else:
+            from megatron.core import optimizer as mcore_optimizer
+
+            self.model = gpt
+            self.optimizer = mcore_optimizer.Adam(gpt.parameters(), lr=lr, weight_decay=0.0)
+            self.description = (f"megatron.core.optimizer.Adam = {type(self.optimizer).__module__}."
+                                f"{type(self.optimizer).__name__} (Megatron's fallback without TE/Apex)")
+            self.megatron = False
+
+    def zero_grad(self):
+        if self.megatron:
+            self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self):
+        """Returns (update applied, grad norm)."""
+        if self.megatron:
+            self.model.finish_grad_sync()
+            ok, grad_norm, _ = self.optimizer.step()
+            return bool(ok), None if grad_norm is None else float(grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        return True, float(grad_norm)
+
+
+def moe_layer_timing(gpt, config, model: dict, device: torch.device, repeats: int) -> dict:
+    """Forward+backward time of the first MoE layer on random hidden states (ms, median)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layer = next((m for m in gpt.modules() if isinstance(m, MoELayer)), None)
+    if layer is None:
+        return {}
+    x = torch.randn(model["seq_length"], model["micro_batch_size"], config.hidden_size, device=device,
+                    dtype=config.params_dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    times = []
+    for i in range(repeats + 2):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        out, _ = layer(x)
+        out.backward(dy)
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            elapsed = (time.perf_counter() - t0) * 1e3
+        if i >= 2:  # warm-up
+            times.append(elapsed)
+    times.sort()
+    return {"moe_layer_fwd_bwd_ms_median": times[len(times) // 2], "moe_layer_fwd_bwd_ms_min": times[0],
+            "moe_layer_tokens": model["seq_length"] * model["micro_batch_size"], "repeats": repeats,
+            "experts_class": type(layer.experts).__name__}
+
+
+def resolved_backends(gpt, device: torch.device, dtype) -> list:
+    """The te_fused_moe backend each fused expert block will run (``auto`` resolved), or '-'."""
+    from te_fused_moe.backends import select_backend
+
+    names = set()
+    for module in gpt.modules():
+        experts = getattr(module, "experts", None)
+        if experts is None or not hasattr(experts, "backend"):
+            continue
+        chosen = select_backend(experts.backend, device, experts.activation, experts.recipe, dtype)
+        names.add(f"{experts.backend}->{chosen.name}" if experts.backend == "auto" else chosen.name)
+    return sorted(names) or ["-"]
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("megatron-core", "triton", "te-fused-moe"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def train(args) -> dict:
+    from megatron_patches.cpu_compat import cpu_cuda_shim
+
+    with open(args.config) as f:
+        spec = yaml.safe_load(f)
+    model = spec["model"]
+    train_cfg = spec.get("train", {})
+    impl = args.moe_grouped_gemm_impl or train_cfg.get("moe_grouped_gemm_impl", "fused")
+    iters = args.train_iters or train_cfg.get("train_iters", 10)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = os.path.splitext(os.path.basename(args.config))[0]
+    out_dir = args.out or os.path.join(ROOT, "runs", f"{name}_{impl}")
+    os.makedirs(out_dir, exist_ok=True)
+
+    torch.manual_seed(args.seed)
+    with cpu_cuda_shim():  # no-op on GPU; on CPU stands in for Megatron's stream calls
+        init_distributed(device)
+        if device.type == "cuda":
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(args.seed)
+        config = build_config(model, impl, device)
+        gpt = build_model(config, model, device)
+        experts = sorted({type(m.experts).__name__ for m in gpt.modules() if hasattr(m, "experts")})
+        backend = resolved_backends(gpt, device, config.params_dtype)
+        trainer = Trainer(gpt, train_cfg.get("lr", 3e-4), config, device)
+        source, get_batch = batches(model, iters, args.seed, device)
+        tokens_per_step = model["micro_batch_size"] * model["seq_length"]
+        # Explicit causal mask (True = masked): Megatron's default mask is created on "cuda".
+        seq = model["seq_length"]
+        causal_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
+
+        print(f"[pretrain_moe] {name}: impl={impl} experts={experts} backend={backend} device={device} "
+              f"params={sum(p.numel() for p in gpt.parameters()) / 1e6:.2f}M data={source.split(' (')[0]}",
+              flush=True)
+        steps = []
+        for step in range(iters):
+            tokens, labels, loss_mask, position_ids = get_batch(step)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            trainer.zero_grad()
+            losses = trainer.model(tokens, position_ids, causal_mask, labels=labels)
+            loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
+            loss.backward()
+            update_ok, grad_norm = trainer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            record = {"step": step + 1, "loss": float(loss.detach()), "step_time_s": dt,
+                      "tokens_per_s": tokens_per_step / dt,
+                      "grad_norm": grad_norm, "update_ok": update_ok}
+            steps.append(record)
+            print(f"[pretrain_moe] step {step + 1:4d}/{iters} loss {record['loss']:.4f} "
+                  f"tokens/s {record['tokens_per_s']:.0f} step {dt * 1e3:.1f} ms", flush=True)
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"loss is {record['loss']} at step {step + 1}")
+
+        repeats = args.moe_timing_iters or (20 if device.type == "cuda" else 3)
+        moe_timing = moe_layer_timing(gpt, config, model, device, repeats)
+
+    steady = steps[min(2, len(steps) - 1):]
+    log = {
+        "config_file": os.path.relpath(os.path.abspath(args.config), ROOT), "model": model, "train": train_cfg,
+        "moe_grouped_gemm_impl": impl, "experts_class": experts, "fused_backend": backend, "device": str(device),
+        "seed": args.seed, "iters": iters, "data": source, "optimizer": trainer.description, "versions": versions(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": steps,
+        "tokens_per_s_mean_after_warmup": sum(s["tokens_per_s"] for s in steady) / len(steady),
+        "moe_layer_timing": moe_timing,
+    }
+    with open(os.path.join(out_dir, "log.json"), "w") as f:
+        json.dump(log, f, indent=1)
+    if args.plot:
+        write_plot(log, os.path.join(out_dir, "loss.png"))
+    print(f"[pretrain_moe] wrote {os.path.join(out_dir, 'log.json')}; mean tokens/s after warm-up "
+          f"{log['tokens_per_s_mean_after_warmup']:.0f}; MoE layer fwd+bwd {moe_timing}", flush=True)
+    return log
+
+
+def write_plot(log: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [s["step"] for s in log["steps"]]
+    ax1.plot(steps, [s["loss"] for s in log["steps"]])
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax2.plot(steps, [s["tokens_per_s"] for s in log["steps"]])
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("tokens/s")
+    fig.suptitle(f"{log['config_file']} impl={log['moe_grouped_gemm_impl']} on {log['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    train(parse_args(argv))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
