@@ -342,6 +342,7 @@ def variant_sets():
                     dgrad_config=G(block_n=256, num_stages=4, use_tma=False), wgrad_config=W(use_tma=False)),
         "run2": dict(fc2_config=G(block_n=256, num_stages=3), dact_config=G(block_n=64, num_stages=4),
                      dgrad_config=G(block_n=256, num_stages=3), wgrad_config=W(block_k=128)),
+        # NB: wgrad 128x256 (block_k=256) computed wrong dW on the H200 in run 4; timing only.
         "v1": dict(fc1_config=G(block_n=128, num_stages=3), fc2_config=G(block_n=128, num_stages=4),
                    dact_config=G(block_n=128, num_stages=3), dgrad_config=G(block_n=128, num_stages=4),
                    wgrad_config=W(num_stages=4)),

@@ -6,7 +6,8 @@ the kernels run in one fresh subprocess (:func:`_run_worker`) that checks every 
 FP64 reference and reports numbers as JSON; the tests below assert on those numbers.
 
 Both load paths are covered: TMA tensor descriptors (the default where operands allow) and plain
-pointer loads (``grouped_gemm.USE_TMA_DEFAULT = False`` for the cases marked ``ptr``).
+pointer loads (``grouped_gemm.USE_TMA_DEFAULT = False`` for the cases marked ``ptr``); cases marked
+``vectail`` turn on the wgrad's vectorised tail (off by default, see ``WgradConfig.vector_tail``).
 
 Every kernel buffer is poisoned with NaN (``autograd.new_buffer`` is replaced in the worker), so an
 element a kernel fails to write shows up as NaN in an error or an exact-zero check.
@@ -14,6 +15,7 @@ element a kernel fails to write shows up as NaN in an error or an exact-zero che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -38,6 +40,8 @@ CASES = [
     ("swiglu-e3-determ", 96, 48, 72, 3, "swiglu", True, True, "empty", 6, "bfloat16", True),
     ("swiglu-e3-ptr", 96, 48, 40, 3, "swiglu", True, True, "empty", 5, "bfloat16", False),
     ("gptoss-e5-ptr", 128, 64, 64, 5, "gpt_oss_swiglu", True, True, "zipf", 3, "bfloat16", True),
+    ("swiglu-e3-vectail", 96, 48, 40, 3, "swiglu", True, True, "zipf", 5, "bfloat16", False),
+    ("geglu-e5-ptr-vectail", 128, 64, 72, 5, "geglu", True, True, "empty", 9, "bfloat16", False),
     ("swiglu-e3-fp16", 96, 48, 40, 3, "swiglu", True, True, "balanced", 5, "float16", False),
     ("srelu-e3-allpad", 32, 32, 32, 3, "srelu", True, True, "balanced", 32, "bfloat16", False),
 ]
@@ -55,14 +59,17 @@ def _worker() -> None:
 
     from te_fused_moe import fused_moe_mlp
     from te_fused_moe.backends.triton import autograd as triton_autograd
-    from te_fused_moe.backends.triton import grouped_gemm
+    from te_fused_moe.backends.triton import grouped_gemm, wgrad
+
+    real_wgrad_config = wgrad.INTERPRET_WGRAD_CONFIG
 
     real_new_buffer = triton_autograd.new_buffer
     triton_autograd.new_buffer = lambda *a, **k: poison_(real_new_buffer(*a, **k))
 
     results = {}
     for case_id, T, H, F, E, act, bias, probs, routing, padding, dtype, determ in CASES:
-        grouped_gemm.USE_TMA_DEFAULT = not case_id.endswith("-ptr")
+        grouped_gemm.USE_TMA_DEFAULT = "-ptr" not in case_id
+        wgrad.INTERPRET_WGRAD_CONFIG = dataclasses.replace(real_wgrad_config, vector_tail="vectail" in case_id)
         p = random_problem(T, H, F, E, activation=act, dtype=getattr(torch, dtype), bias=bias, probs=probs,
                            routing=routing, padding=padding)
         leaves = {k: (v.clone().requires_grad_(True) if (k in GRADS and v is not None) else v) for k, v in p.items()}
