@@ -11,11 +11,11 @@ One kernel template, three epilogues (``MODE``):
 accumulators per tile, gate columns ``n`` and up columns ``F + n`` of the same ``w1[e]``: no
 interleaved weight layout is needed.
 
-Tiles are mapped to (group, row start) on the device through the schedule's tile -> group map; programs past the last
-tile exit at once; the padding group writes zeros. A and B loads are unmasked along M and N: row and
-column indices are clamped into the tensor instead, and rows/columns that belong to another expert
-only feed output elements that the masked store drops. So the inner loop is mask-free when
-``K % BK == 0``.
+Tiles are mapped to (group, row start) on the device through the schedule's tile -> group map;
+programs past the last tile exit at once; the padding group writes zeros. Loads are not masked along
+M and N: A and B come through TMA descriptors (out-of-tensor boxes are zero-filled) or, where TMA is
+not allowed, through pointers whose row/column indices are clamped into the tensor. Rows and columns
+that belong to another expert only feed output elements that the masked store drops.
 
 Interpreter note: Triton 3.6's CPU interpreter computes ``tl.dot`` on bf16 operands wrongly (it
 returned garbage in our tests) while FP32 dots are right, so ``UPCAST`` (set only when
