@@ -10,7 +10,8 @@ Scenarios (2 processes, one spawn):
 Each rank keeps its own tokens; the reference is an EP=1/ETP=1 layer holding all experts with the
 same global weights, run by the same process on the same tokens. Expert weight gradients of the
 reference are summed over both ranks (every rank's tokens reach every expert) and sliced to the
-rank's shard.
+rank's shard. Each scenario also checks that the sharded state dict (global expert offsets, ETP
+fragments, GLU halves, replica ids) equals SequentialMLP's on every rank.
 """
 
 import json
@@ -65,6 +66,26 @@ def _run_layer(config_kwargs, rank, ep, etp, dispatcher, x, dy):
                 dw1=layer.experts.linear_fc1.weight.grad, dw2=layer.experts.linear_fc2.weight.grad)
 
 
+def _sharded_layouts_match(ep, etp) -> bool:
+    """Our sharded state dict equals SequentialMLP's on this rank (keys, offsets, fragmentations)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    from megatron_testing import build_experts, make_config
+
+    def layout(module):
+        sharded = module.sharded_state_dict("decoder.layers.0.mlp.experts.", ((0, 0, 1),))
+        apply_factories(sharded)
+        return sorted((type(v).__name__, v.key, tuple(getattr(v, "global_shape", ())),
+                       tuple(getattr(v, "global_offset", ())), tuple(getattr(v, "axis_fragmentations", ()) or ()),
+                       v.replica_id) for v in nested_values(sharded))
+
+    local = EXPERTS // ep
+    fused = build_experts(make_config("fused-reference", ep=ep, etp=etp, ffn=FFN, hidden=HIDDEN), local)
+    sequential = build_experts(make_config("sequential", ep=ep, etp=etp, ffn=FFN, hidden=HIDDEN), local)
+    return layout(fused) == layout(sequential)
+
+
 def _rel(a, b):
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -104,6 +125,9 @@ def _worker(rank, world_size, store_file, out_dir):
                 "dw2": _rel(sharded["dw2"], ref_w2),
                 "tokens_routed_here": int(sharded["y"].numel()),
             }
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+            results[name]["checkpoint_layout_matches_sequential"] = _sharded_layouts_match(ep, etp)
     parallel_state.destroy_model_parallel()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -123,3 +147,4 @@ def test_expert_parallel_matches_single_rank(tmp_path):
         for name, errors in results.items():
             for key in ("y", "dx", "drouter", "dw1", "dw2"):
                 assert errors[key] < 1e-5, (rank, name, key, errors)
+            assert errors["checkpoint_layout_matches_sequential"] is True, (rank, name)
