@@ -18,14 +18,15 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 
 def init_distributed(rank: int = 0, world_size: int = 1, store_file: str = None) -> None:
-    """Gloo process group (once per process)."""
+    """Gloo process group on CPU, NCCL where CUDA is visible (once per process)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     if store_file is None:
-        store_file = os.path.join(tempfile.mkdtemp(prefix="tfm_gloo_"), "store")
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
+        store_file = os.path.join(tempfile.mkdtemp(prefix="tfm_pg_"), "store")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size)
 
 
 def init_model_parallel(ep: int = 1, etp: int = 1, rank: int = 0, world_size: int = 1, store_file: str = None) -> None:
