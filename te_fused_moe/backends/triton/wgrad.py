@@ -2,9 +2,11 @@
 
 ``dW[e] = G_e^T @ X_e`` with ``G`` [T, N] (the output gradient: dy or dh) and ``X`` [T, K] (the
 GEMM input: a or x), reducing over the rows of expert ``e``, whose range is read on the device from
-the schedule. With a bias, ``db[e] = sum of G_e's rows`` is fused into the programs of the first K
-tile (they already load every G tile). Experts with no rows run no loop iteration and store zeros,
-so their gradients are exactly zero rather than unwritten memory.
+the schedule. Bias gradients ``db[e] = sum of G_e's rows`` come from a separate small kernel
+(``bias_grad_kernel``): summing the TMA-loaded G tiles inside the wgrad loop gave wrong, run-to-run
+varying dW on the H200 (device runs 4-6, benchmarks/NOTES.md), and a second pass over G costs a
+few percent of the wgrad's bytes. Experts with no rows run no loop iteration and store zeros, so
+their gradients are exactly zero rather than unwritten memory.
 
 See ``grouped_gemm.py`` for why ``UPCAST`` exists (the CPU interpreter's bf16 dot).
 """
@@ -79,10 +81,9 @@ def wgrad_kernel(
     g_src, g_ptr, stride_gm,
     x_src, x_ptr, stride_xm,
     dw_ptr, stride_dw_e, stride_dw_n,
-    db_ptr, stride_db_e,
     sched_ptr,
     N, K, NUM_GROUPS,
-    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, N_VEC8: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, N_VEC8: tl.constexpr,
     K_VEC8: tl.constexpr, USE_TMA: tl.constexpr, VECTOR_TAIL: tl.constexpr, UPCAST: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, GROUP_N: tl.constexpr,
 ):
@@ -104,7 +105,6 @@ def wgrad_kernel(
     cols_n = pid_n * BN + tl.arange(0, BN)
     cols_k = pid_k * BK + tl.arange(0, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    bias_acc = tl.zeros((BN,), dtype=tl.float32)
     if USE_TMA:
         # whole BM-row chunks by TMA (past-the-edge columns are zero-filled) ...
         full_chunks = (row_end - row_start) // BM
@@ -112,9 +112,6 @@ def wgrad_kernel(
             m0 = row_start + i * BM
             g = g_src.load([m0, pid_n * BN])
             x = x_src.load([m0, pid_k * BK])
-            if HAS_BIAS:
-                if pid_k == 0:
-                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
             if UPCAST:
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
@@ -130,9 +127,6 @@ def wgrad_kernel(
                 k_in = tl.minimum(cols_k, K - 1)
             g = _masked_tile(g_ptr, stride_gm, m0, row_end, n_in, BM)
             x = _masked_tile(x_ptr, stride_xm, m0, row_end, k_in, BM)
-            if HAS_BIAS:
-                if pid_k == 0:
-                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
             if UPCAST:
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
@@ -147,9 +141,6 @@ def wgrad_kernel(
         for m0 in range(row_start, row_end, BM):
             g = _masked_tile(g_src, stride_gm, m0, row_end, n_in, BM)
             x = _masked_tile(x_src, stride_xm, m0, row_end, k_in, BM)
-            if HAS_BIAS:
-                if pid_k == 0:
-                    bias_acc += tl.sum(g.to(tl.float32), axis=0)
             if UPCAST:
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
@@ -159,9 +150,25 @@ def wgrad_kernel(
     k_ok = cols_k < K
     dw_ptrs = dw_ptr + expert.to(tl.int64) * stride_dw_e + cols_n[:, None].to(tl.int64) * stride_dw_n + cols_k[None, :]
     tl.store(dw_ptrs, to_output(acc, dw_ptr.dtype.element_ty, UPCAST), mask=n_ok[:, None] & k_ok[None, :])
-    if HAS_BIAS:
-        if pid_k == 0:
-            tl.store(db_ptr + expert * stride_db_e + cols_n, to_output(bias_acc, db_ptr.dtype.element_ty, UPCAST), mask=n_ok)
+
+
+@triton.jit
+def bias_grad_kernel(g_ptr, stride_gm, db_ptr, stride_db_e, sched_ptr, N, NUM_GROUPS,
+                     UPCAST: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+    """``db[e, cols] = sum over expert e's rows of G[rows, cols]``, in a fixed order (deterministic)."""
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + expert)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + expert)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BM):
+        rows = m0 + tl.arange(0, BM)
+        g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :],
+                    mask=(rows < row_end)[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.sum(g.to(tl.float32), axis=0)
+    tl.store(db_ptr + expert * stride_db_e + cols, to_output(acc, db_ptr.dtype.element_ty, UPCAST), mask=col_ok)
 
 
 def grouped_wgrad(grad_out: torch.Tensor, inputs: torch.Tensor, schedule: torch.Tensor, dw: torch.Tensor,
@@ -178,16 +185,21 @@ def grouped_wgrad(grad_out: torch.Tensor, inputs: torch.Tensor, schedule: torch.
         x_src = TensorDescriptor(inputs, list(inputs.shape), [inputs.stride(0), 1], [cfg.block_m, cfg.block_k])
     else:
         g_src, x_src = grad_out, inputs
-    return wgrad_kernel[grid](
+    wgrad_kernel[grid](
         g_src, grad_out, grad_out.stride(0),
         x_src, inputs, inputs.stride(0),
         dw, dw.stride(0), dw.stride(1),
-        db if db is not None else dw, db.stride(0) if db is not None else 0,
         schedule,
         n, k, num_experts + 1,
-        HAS_BIAS=db is not None, EVEN_N=n % cfg.block_n == 0,
+        EVEN_N=n % cfg.block_n == 0,
         EVEN_K=k % cfg.block_k == 0, N_VEC8=n % 8 == 0, K_VEC8=k % 8 == 0, USE_TMA=use_tma,
         VECTOR_TAIL=cfg.vector_tail, UPCAST=interpreting(),
         BN=cfg.block_n, BK=cfg.block_k, BM=cfg.block_m, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if db is not None:
+        block_n, block_m = (32, 16) if interpreting() else (128, 64)
+        bias_grad_kernel[(triton.cdiv(n, block_n), num_experts)](
+            grad_out, grad_out.stride(0), db, db.stride(0), schedule, n, num_experts + 1,
+            UPCAST=interpreting(), BN=block_n, BM=block_m, num_warps=4,
+        )
