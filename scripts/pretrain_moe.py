@@ -49,6 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help="output folder (default runs/<config>_<impl>)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
     parser.add_argument("--moe-timing-iters", type=int, default=None, help="MoE layer fwd+bwd timing repeats")
     parser.add_argument("--plot", action="store_true", help="also write loss.png (matplotlib)")
     add_megatron_args(parser)  # --moe-grouped-gemm-impl, same flag as with Megatron-LM
@@ -317,7 +318,7 @@ def train(args) -> dict:
         gpt = build_model(config, model, device)
         experts = sorted({type(m.experts).__name__ for m in gpt.modules() if hasattr(m, "experts")})
         backend = resolved_backends(gpt, device, config.params_dtype)
-        trainer = Trainer(gpt, train_cfg.get("lr", 3e-4), config, device)
+        trainer = Trainer(gpt, args.lr or train_cfg.get("lr", 3e-4), config, device)
         source, get_batch = batches(model, iters, args.seed, device)
         tokens_per_step = model["micro_batch_size"] * model["seq_length"]
         # Explicit causal mask (True = masked): Megatron's default mask is created on "cuda".
