@@ -28,7 +28,7 @@ else
   megatron="megatron-core>=0.16.1,<0.20"
 fi
 # numpy<2.3: Triton 3.6's interpreter fails on numpy 2.4 scalars ("only 0-dimensional arrays ...").
-"${PIP[@]}" -e ".[test,bench]" "$megatron" einops pydantic "numpy<2.3" "triton>=3.3,<3.7" pytest-timeout
+"${PIP[@]}" -e ".[test,bench]" "$megatron" einops pydantic psutil "numpy<2.3" "triton>=3.3,<3.7" pytest-timeout
 if [ ! -d .deps/te/transformer_engine ]; then
   "$PY" -m pip install -q --disable-pip-version-check --no-deps --target .deps/te "transformer-engine==2.20.2"
 fi
