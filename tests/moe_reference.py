@@ -135,3 +135,18 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return t.fill_(float("nan"))
     return t.fill_(-1)
+
+
+def capture_cuda_graph(step, warmup: int = 2):
+    """Run ``step`` ``warmup`` times on a side stream (so every kernel is compiled and every cache
+    filled before capture), then capture one call. Returns ``(graph, outputs of the captured call)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -4,7 +4,7 @@ changing routing. Run on the device machine: ``pytest -m gpu tests/gpu``."""
 import pytest
 import torch
 
-from moe_reference import make_counts, random_problem
+from moe_reference import capture_cuda_graph, make_counts, random_problem
 
 import te_fused_moe
 
@@ -75,15 +75,7 @@ def test_graph_replays_over_100_routings_equal_eager():
         grads = torch.autograd.grad(y, [leaves[n] for n in ("x", "w1", "w2", "b1", "b2", "probs")], dy)
         return (y,) + tuple(grads)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_cuda_graph(step, warmup=3)
 
     generator = torch.Generator().manual_seed(99)
     kinds = ("balanced", "zipf", "empty", "one")

@@ -6,7 +6,7 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_triton_gpu.py``.
 import pytest
 import torch
 
-from moe_reference import expert_mlp_fp64, make_counts, random_problem, rel_err
+from moe_reference import capture_cuda_graph, expert_mlp_fp64, make_counts, random_problem, rel_err
 
 from te_fused_moe import fused_moe_mlp
 
@@ -79,15 +79,7 @@ def test_cuda_graph_replay_with_changing_routing():
                           b2=leaves["b2"], probs=leaves["probs"], backend="triton")
         return (y,) + torch.autograd.grad(y, [leaves[n] for n in names], static_dy)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up: compile every kernel before capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_cuda_graph(step)
 
     generator = torch.Generator().manual_seed(7)
     routings = {
