@@ -76,7 +76,7 @@ for cfg in ("gpt_oss_proxy", "qwen3_moe_proxy"):
             "experts": log["experts_class"], "backend": log["fused_backend"],
             "loss_first": log["steps"][0]["loss"], "loss_last": log["steps"][-1]["loss"],
             "losses": [s["loss"] for s in log["steps"]],
-            "tokens_per_s_mean_after_warmup": log["tokens_per_s_mean_after_warmup"],
+            "tokens_per_s_after_warmup": log["tokens_per_s_after_warmup"],
             "moe_layer_timing": log["moe_layer_timing"], "versions": log["versions"],
         }
     pair = summary[cfg]
@@ -84,7 +84,7 @@ for cfg in ("gpt_oss_proxy", "qwen3_moe_proxy"):
         f, s = pair["fused"], pair["sequential"]
         diffs = [abs(a - b) for a, b in zip(f["losses"], s["losses"])]
         pair["max_abs_loss_diff"] = max(diffs)
-        pair["speedup_tokens_per_s"] = f["tokens_per_s_mean_after_warmup"] / s["tokens_per_s_mean_after_warmup"]
+        pair["speedup_tokens_per_s"] = f["tokens_per_s_after_warmup"] / s["tokens_per_s_after_warmup"]
         pair["speedup_moe_layer"] = (s["moe_layer_timing"]["moe_layer_fwd_bwd_ms_median"]
                                      / f["moe_layer_timing"]["moe_layer_fwd_bwd_ms_median"])
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
@@ -98,7 +98,7 @@ try:
     for ax, (cfg, pair) in zip(axes, summary.items()):
         for impl in ("fused", "sequential"):
             if isinstance(pair.get(impl), dict):
-                ax.plot(pair[impl]["losses"], label=f"{impl} ({pair[impl]['tokens_per_s_mean_after_warmup']:.0f} tok/s)")
+                ax.plot(pair[impl]["losses"], label=f"{impl} ({pair[impl]['tokens_per_s_after_warmup']:.0f} tok/s)")
         ax.set_title(cfg); ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.legend()
     fig.tight_layout(); fig.savefig(os.path.join(out, "loss_curves.png"), dpi=100)
 except Exception as exc:

@@ -360,15 +360,17 @@ def train(args) -> dict:
         "moe_grouped_gemm_impl": impl, "experts_class": experts, "fused_backend": backend, "device": str(device),
         "seed": args.seed, "iters": iters, "data": source, "optimizer": trainer.description, "versions": versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": steps,
-        "tokens_per_s_mean_after_warmup": sum(s["tokens_per_s"] for s in steady) / len(steady),
+        # all tokens of the steps after the first two over their total time (not a mean of per-step
+        # rates, which fast steps would inflate)
+        "tokens_per_s_after_warmup": tokens_per_step * len(steady) / sum(s["step_time_s"] for s in steady),
         "moe_layer_timing": moe_timing,
     }
     with open(os.path.join(out_dir, "log.json"), "w") as f:
         json.dump(log, f, indent=1)
     if args.plot:
         write_plot(log, os.path.join(out_dir, "loss.png"))
-    print(f"[pretrain_moe] wrote {os.path.join(out_dir, 'log.json')}; mean tokens/s after warm-up "
-          f"{log['tokens_per_s_mean_after_warmup']:.0f}; MoE layer fwd+bwd {moe_timing}", flush=True)
+    print(f"[pretrain_moe] wrote {os.path.join(out_dir, 'log.json')}; tokens/s after warm-up "
+          f"{log['tokens_per_s_after_warmup']:.0f}; MoE layer fwd+bwd {moe_timing}", flush=True)
     return log
 
 
