@@ -381,3 +381,28 @@ def tune(shape_names: List[str], out_dir: Optional[str] = None) -> Dict:
         with open(os.path.join(out_dir, "tune.json"), "w") as f:
             json.dump(results, f, indent=1)
     return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``te-fused-moe bench`` / ``scripts/bench_experts.py``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="te-fused-moe bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="all", help=f"comma-separated from {sorted(SHAPES)} or 'all'")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON, text table and PNG plot")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
+    parser.add_argument("--tune", action="store_true", help="time block-size variants of each kernel instead")
+    args = parser.parse_args(argv)
+    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; expected names from {sorted(SHAPES)}")
+    if not torch.cuda.is_available():
+        parser.error("the benchmark times the Triton backend against torch._grouped_mm and needs a CUDA GPU")
+    if args.tune:
+        print(tune(names, out_dir=args.out)["table"])
+        return 0
+    report = run(names, out_dir=args.out, kernels=not args.no_kernels)
+    print(summary_table(report))
+    return 0
