@@ -93,16 +93,16 @@ def env_report() -> Dict[str, object]:
 
 
 def _print_env(report: Dict[str, object]) -> None:
-    print(f"python        {report['python']} ({report['platform']})")
+    print(f"python                    {report['python']} ({report['platform']})")
     for name, version in report["packages"].items():
-        print(f"{name:<24}{version or 'not installed'}")
+        print(f"{name:<26}{version or 'not installed'}")
     gpu = report["gpu"]
     if gpu.get("cuda_available"):
-        print(f"gpu           {gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')}, "
+        print(f"gpu                       {gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')}, "
               f"{gpu['multiprocessors']} SMs, {gpu['memory_gib']} GiB), torch CUDA {gpu['torch_cuda']}")
     else:
-        print(f"gpu           none visible to torch (torch CUDA build: {gpu['torch_cuda']})")
-    print(f"TE            {json.dumps(report['transformer_engine'])}")
+        print(f"gpu                       none visible to torch (torch CUDA build: {gpu['torch_cuda']})")
+    print(f"TE                        {json.dumps(report['transformer_engine'])}")
     print(f"\nwhat backend='auto' runs on {report['device']} (bf16 params):")
     for row in report["support"]:
         print(f"  {row['recipe']:<10} {row['activation']:<15} -> {row['auto']}")
