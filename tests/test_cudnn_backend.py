@@ -25,7 +25,7 @@ from te_fused_moe.activations import ActivationConfig
 from te_fused_moe.backends import ExpertMLPArgs, select_backend
 from te_fused_moe.backends.cudnn import BACKEND, api, kernels, layouts
 from te_fused_moe.quantize import mxfp8, nvfp4
-from te_fused_moe.recipes import BF16Recipe, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+from te_fused_moe.recipes import BF16Recipe, Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling
 
 GEN = torch.Generator().manual_seed(20261202)
 
@@ -211,15 +211,18 @@ def test_supports_matrix():
     bf16 = BF16Recipe()
     assert BACKEND.supports(ActivationConfig("swiglu"), bf16, torch.bfloat16)
     assert BACKEND.supports(ActivationConfig("gpt_oss_swiglu"), bf16, torch.bfloat16)
+    for act in ("swiglu", "gpt_oss_swiglu", "srelu"):
+        assert BACKEND.supports(ActivationConfig(act), MXFP8BlockScaling(), torch.bfloat16)
     refused = [
         (ActivationConfig("geglu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
         (ActivationConfig("silu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
         (ActivationConfig("gelu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
-        (ActivationConfig("srelu"), bf16, torch.bfloat16, "block-scaled"),
-        (ActivationConfig("gpt_oss_swiglu", limit=10.0), bf16, torch.bfloat16, "fixes alpha=1.702, limit=7.0"),
+        (ActivationConfig("srelu"), bf16, torch.bfloat16, "take only block-scaled"),
+        (ActivationConfig("gpt_oss_swiglu", limit=10.0), bf16, torch.bfloat16, "GLU kernels alpha=1.702, limit=7.0 only"),
         (ActivationConfig("swiglu"), Float8BlockScaling(), torch.bfloat16, "not 128-element FP8 blocks"),
-        (ActivationConfig("swiglu"), MXFP8BlockScaling(), torch.bfloat16, "drives only the BF16 ones"),
-        (ActivationConfig("swiglu"), NVFP4BlockScaling(), torch.bfloat16, "drives only the BF16 ones"),
+        (ActivationConfig("swiglu"), MXFP8BlockScaling(fp8_format=Format.HYBRID), torch.bfloat16, "of one FP8 dtype"),
+        (ActivationConfig("swiglu"), NVFP4BlockScaling(), torch.bfloat16, "recipe nvfp4: not driven yet"),
+        (ActivationConfig("srelu"), NVFP4BlockScaling(), torch.bfloat16, "recipe nvfp4: not driven yet"),
         (ActivationConfig("swiglu"), bf16, torch.float16, "take bfloat16 operands"),
     ]
     for act, recipe, dtype, why in refused:
@@ -256,6 +259,29 @@ def test_shape_limits_are_explained():
 
 
 # --------------------------------------------------------------------------- the glue, on the documented contract
+
+def _documented_dglu_rows(c, r, prob, act_func, linear_offset, beta):
+    """grouped_gemm_dglu.md on one group's rows: ``c`` the interleaved pre-activation, ``r`` = dy @ W2
+    (the GEMM part). Returns (d(pre-activation) interleaved, dprob per row)."""
+    blocks, dprob = [], 0
+    for b in range(c.shape[1] // 64):
+        raw_gate, raw_up = c[:, 64 * b:64 * b + 32], c[:, 64 * b + 32:64 * b + 64]
+        rb = r[:, 32 * b:32 * b + 32]
+        if act_func == "dswiglu":
+            gate, up = beta * raw_gate, beta * raw_up
+            sig = torch.sigmoid(gate)
+            dgate = rb * prob * up * sig * (1 + gate * (1 - sig))
+            dup = rb * prob * gate * sig
+            dprob = dprob + (rb * up * gate * sig).sum(dim=1)
+        else:  # dgeglu with the documented default alpha and clamp bounds
+            gate, up = raw_gate.clamp(max=7.0), raw_up.clamp(-7.0, 7.0)
+            sig = torch.sigmoid(1.702 * gate)
+            dgate = rb * prob * (up + linear_offset) * sig * (1 + 1.702 * gate * (1 - sig)) * (raw_gate <= 7.0)
+            dup = rb * prob * gate * sig * ((raw_up >= -7.0) & (raw_up <= 7.0))
+            dprob = dprob + (rb * gate * sig * (up + linear_offset)).sum(dim=1)
+        blocks += [dgate, dup]
+    return torch.cat(blocks, dim=1), dprob
+
 
 class DocumentedKernelEmulator:
     """What cuDNN Frontend 1.32's docs say each grouped wrapper computes (grouped_gemm_glu.md,
@@ -317,25 +343,10 @@ class DocumentedKernelEmulator:
         dbias = torch.zeros(b_tensor.shape[0], n2, 1, dtype=d_dtype) if generate_dbias else None
         for g, s, e in self._groups(padded_offsets):
             ref = alpha_tensor[g] ** 2 * (a_tensor[s:e] @ b_tensor[g].T)  # [rows, N]
-            prob = prob_tensor[s:e, None]
-            blocks = []
-            for b in range(n2 // 64):
-                raw_gate, raw_up = c_tensor[s:e, 64 * b:64 * b + 32], c_tensor[s:e, 64 * b + 32:64 * b + 64]
-                r = ref[:, 32 * b:32 * b + 32]
-                if act_func == "dswiglu":
-                    gate, up = beta_tensor[g] * raw_gate, beta_tensor[g] * raw_up
-                    sig = torch.sigmoid(gate)
-                    dgate = r * prob * up * sig * (1 + gate * (1 - sig))
-                    dup = r * prob * gate * sig
-                    dprob_tensor[s:e] += (r * up * gate * sig).sum(dim=1)
-                else:  # dgeglu with the documented default alpha and clamp bounds
-                    gate, up = raw_gate.clamp(max=7.0), raw_up.clamp(-7.0, 7.0)
-                    sig = torch.sigmoid(1.702 * gate)
-                    dgate = r * prob * (up + linear_offset) * sig * (1 + 1.702 * gate * (1 - sig)) * (raw_gate <= 7.0)
-                    dup = r * prob * gate * sig * ((raw_up >= -7.0) & (raw_up <= 7.0))
-                    dprob_tensor[s:e] += (r * gate * sig * (up + linear_offset)).sum(dim=1)
-                blocks += [dgate, dup]
-            d_row[s:e] = torch.cat(blocks, dim=1)
+            rows_dh, rows_dprob = _documented_dglu_rows(c_tensor[s:e], ref, prob_tensor[s:e, None], act_func,
+                                                        linear_offset, beta_tensor[g])
+            dprob_tensor[s:e] += rows_dprob
+            d_row[s:e] = rows_dh
             if generate_dbias:
                 dbias[g, :, 0] = d_row[s:e].sum(dim=0)
         return {"d_row_tensor": d_row, "dprob_tensor": dprob_tensor, "dbias_tensor": dbias}
@@ -403,3 +414,233 @@ def test_deterministic_with_prob_gradients_is_refused():
     y = kernels.run_expert_mlp(DocumentedKernelEmulator(), args)
     ref = expert_mlp_fp64(problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"], probs=args.probs)
     assert rel_err(y, ref["y"]) < 1e-12
+
+
+# --------------------------------------------------------------------------- MXFP8 glue, on the block-scaled contract
+
+E8M0_NAN = 255
+
+
+def _read_atoms(atoms, batch, rows, cols):
+    """Scale codes [batch, rows, cols] read from an atom buffer through ``_atom_offset`` (written
+    here from the cuBLAS 128x4 layout, independent of layouts.py)."""
+    flat = atoms.contiguous().view(torch.uint8).reshape(-1)
+    l, r, c = torch.meshgrid(torch.arange(batch), torch.arange(rows), torch.arange(cols), indexing="ij")
+    return flat[_atom_offset(l, r, c, -(-rows // 128), -(-cols // 4))]
+
+
+def _write_atoms(codes):
+    """[batch, rows, cols] uint8 codes -> atom buffer (padding 0), via ``_atom_offset``."""
+    batch, rows, cols = codes.shape
+    rt, ct = -(-rows // 128), -(-cols // 4)
+    flat = torch.zeros(batch * rt * ct * 512, dtype=torch.uint8)
+    l, r, c = torch.meshgrid(torch.arange(batch), torch.arange(rows), torch.arange(cols), indexing="ij")
+    flat[_atom_offset(l, r, c, rt, ct)] = codes
+    return flat.view(batch, rt, ct, 32, 4, 4).view(torch.float8_e8m0fnu)
+
+
+def _mx_dequant(data, atoms, along_rows=False):
+    """FP64 values of an MXFP8 operand: ``data [..., R, C]`` E4M3 with one E8M0 scale per 32 along C
+    (or along R for ``along_rows``, scales stored as the transposed logical matrix)."""
+    vals = data.to(torch.float64)
+    if vals.dim() == 2:
+        vals = vals.unsqueeze(0)
+    if along_rows:
+        vals = vals.transpose(1, 2)
+    batch, rows, cols = vals.shape
+    codes = _read_atoms(atoms, batch, rows, cols // 32).to(torch.float64)
+    # Code 255 (E8M0 NaN, the emulator's poison for unwritten scales) dequantizes to NaN, so a group
+    # row that reads one poisons the result.
+    scales = torch.where(codes == E8M0_NAN, float("nan"), torch.exp2(codes - 127)).repeat_interleave(32, dim=2)
+    out = vals * scales
+    if along_rows:
+        out = out.transpose(1, 2)
+    return out.squeeze(0) if data.dim() == 2 else out
+
+
+def _mx_quantize_doc(v, along_rows=False):
+    """The epilogue's documented MXFP8 output rule on FP32 accumulators: scale = 2^ceil(log2(amax/448)),
+    value = RNE_E4M3(v / scale). Returns (E4M3 data, codes [rows, cols/32] or [cols, rows/32])."""
+    v = v.float().double()
+    t = v.t() if along_rows else v
+    blocks = t.reshape(t.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=2)
+    code = torch.where(amax > 0, torch.ceil(torch.log2(amax / 448.0)) + 127, torch.zeros_like(amax)).clamp(0, 254)
+    q = (blocks / torch.exp2(code - 127)[..., None]).reshape(t.shape).to(torch.float8_e4m3fn)
+    return (q.t() if along_rows else q), code.to(torch.uint8)
+
+
+class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
+    """The block-scaled (MXFP8, sf_vec_size 32) contract of the same wrappers plus
+    grouped_gemm_quant / srelu / dsrelu: operands arrive as E4M3 data + E8M0 scales in 128x4 atoms;
+    this class un-swizzles and dequantizes them itself and computes in FP64. FP8 outputs (D, D_col,
+    d_row, d_col) are quantized by the documented epilogue rule with norm_const = 1; rows outside
+    every group are NaN and their scales the E8M0 NaN code."""
+
+    def _quantized_outputs(self, values, offsets, prefix):
+        m, n = values.shape
+        row = torch.full((m, n), float("nan"), dtype=torch.float64).to(torch.float8_e4m3fn)
+        col = row.clone()
+        sf_row = torch.full((m, n // 32), E8M0_NAN, dtype=torch.uint8)
+        sf_col = torch.full((n, m // 32), E8M0_NAN, dtype=torch.uint8)
+        for _, s, e in self._groups(offsets):
+            if e == s:
+                continue
+            row[s:e], sf_row[s:e] = _mx_quantize_doc(values[s:e])
+            col[s:e], sf_col[:, s // 32:e // 32] = _mx_quantize_doc(values[s:e], along_rows=True)
+        return {f"{prefix}_tensor": row, f"{prefix}_col_tensor" if prefix == "d" else "d_col_tensor": col,
+                "sfd_row_tensor": _write_atoms(sf_row[None]), "sfd_col_tensor": _write_atoms(sf_col[None])}
+
+    def _fc1(self, kind, a_tensor, sfa_tensor, padded_offsets, alpha_tensor, b_tensor, sfb_tensor, bias_tensor,
+             prob_tensor, norm_const_tensor, c_dtype, d_dtype, sf_vec_size, m_aligned, act=None, linear_offset=None):
+        self.calls.append(kind)
+        assert sf_vec_size == 32 and m_aligned == 256 and d_dtype == torch.float8_e4m3fn
+        assert norm_const_tensor.tolist() == [1.0] and padded_offsets.dtype == torch.int32
+        a, b = _mx_dequant(a_tensor, sfa_tensor), _mx_dequant(b_tensor, sfb_tensor)
+        m, n = a.shape[0], b.shape[1]
+        c = self._nan(m, n, c_dtype)
+        d = self._nan(m, n // 2 if kind == "glu" else n, torch.float64)
+        for g, s, e in self._groups(padded_offsets):
+            acc = alpha_tensor[g] * (a[s:e] @ b[g].T)
+            if bias_tensor is not None:
+                acc = acc + bias_tensor[:, g]
+            c[s:e] = acc
+            act_out = _documented_glu(acc, act, linear_offset) if kind == "glu" else torch.relu(acc) ** 2
+            d[s:e] = prob_tensor[s:e, None] * act_out
+        return dict(c_tensor=c, **self._quantized_outputs(d, padded_offsets, "d"))
+
+    def grouped_gemm_glu_wrapper_sm100(self, *, act_func, linear_offset, generate_c, **kw):
+        if kw["sfa_tensor"] is None:
+            return super().grouped_gemm_glu_wrapper_sm100(act_func=act_func, linear_offset=linear_offset,
+                                                          generate_c=generate_c, **kw)
+        assert generate_c
+        return self._fc1("glu", act=act_func, linear_offset=linear_offset, **kw)
+
+    def grouped_gemm_srelu_wrapper_sm100(self, **kw):
+        return self._fc1("srelu", **kw)
+
+    def grouped_gemm_quant_wrapper_sm100(self, *, a_tensor, sfa_tensor, padded_offsets, alpha_tensor, b_tensor,
+                                         sfb_tensor, norm_const_tensor, d_dtype, sf_vec_size, m_aligned,
+                                         generate_amax, bias_tensor=None):
+        self.calls.append("quant_gemm")
+        assert sf_vec_size == 32 and m_aligned == 256
+        a, b = _mx_dequant(a_tensor, sfa_tensor), _mx_dequant(b_tensor, sfb_tensor)
+        d = self._nan(a.shape[0], b.shape[1], d_dtype)
+        for g, s, e in self._groups(padded_offsets):
+            d[s:e] = alpha_tensor[g] * (a[s:e] @ b[g].T) + (bias_tensor[:, g] if bias_tensor is not None else 0)
+        return {"d_tensor": d}
+
+    def _dact(self, kind, a_tensor, c_tensor, sfa_tensor, padded_offsets, alpha_tensor, prob_tensor, dprob_tensor,
+              b_tensor, sfb_tensor, generate_dbias, norm_const_tensor, d_dtype, sf_vec_size, m_aligned,
+              deterministic, beta_tensor=None, act_func=None, linear_offset=None):
+        self.calls.append(kind)
+        assert bool((dprob_tensor == 0).all()), "dprob must be zero-initialised"
+        assert sf_vec_size == 32 and d_dtype == torch.float8_e4m3fn and norm_const_tensor.tolist() == [1.0]
+        a, b = _mx_dequant(a_tensor, sfa_tensor), _mx_dequant(b_tensor, sfb_tensor)
+        m, n = c_tensor.shape
+        dh = self._nan(m, n, torch.float64)
+        dbias = torch.zeros(b.shape[0], n, 1, dtype=torch.float64) if generate_dbias else None
+        for g, s, e in self._groups(padded_offsets):
+            r = alpha_tensor[g] * (a[s:e] @ b[g].T)
+            prob, c = prob_tensor[s:e, None], c_tensor[s:e]
+            if kind == "dglu":
+                dh[s:e], dprob = _documented_dglu_rows(c, r, prob, act_func, linear_offset, beta_tensor[g])
+            else:  # grouped_gemm_dsrelu.md: d = dy_ref * prob * 2 relu(c); dprob = sum(dy_ref * relu(c)^2)
+                dh[s:e], dprob = r * prob * 2 * torch.relu(c), (r * torch.relu(c) ** 2).sum(dim=1)
+            dprob_tensor[s:e] += dprob
+            if generate_dbias:
+                dbias[g, :, 0] = dh[s:e].sum(dim=0)
+        out = self._quantized_outputs(dh, padded_offsets, "d_row")
+        return dict(out, dprob_tensor=dprob_tensor, dbias_tensor=dbias)
+
+    def grouped_gemm_dglu_wrapper_sm100(self, **kw):
+        if kw["sfa_tensor"] is None:
+            return super().grouped_gemm_dglu_wrapper_sm100(**kw)
+        return self._dact("dglu", **kw)
+
+    def grouped_gemm_dsrelu_wrapper_sm100(self, **kw):
+        return self._dact("dsrelu", **kw)
+
+    def grouped_gemm_wgrad_wrapper_sm100(self, *, a_tensor, b_tensor, sfa_tensor, sfb_tensor, offsets_tensor,
+                                         wgrad_dtype, sf_vec_size=None):
+        if sfa_tensor is None:
+            return super().grouped_gemm_wgrad_wrapper_sm100(a_tensor=a_tensor, b_tensor=b_tensor, sfa_tensor=None,
+                                                            sfb_tensor=None, offsets_tensor=offsets_tensor,
+                                                            wgrad_dtype=wgrad_dtype)
+        self.calls.append("wgrad")
+        assert sf_vec_size == 32
+        a = _mx_dequant(a_tensor, sfa_tensor)  # (m, tokens), scales over (m, tokens/32)
+        b = _mx_dequant(b_tensor, sfb_tensor, along_rows=True)  # (tokens, n), scales over (n, tokens/32)
+        out = torch.zeros(offsets_tensor.shape[0], a.shape[0], b.shape[1], dtype=wgrad_dtype)
+        for g, s, e in self._groups(offsets_tensor):
+            out[g] = a[:, s:e] @ b[s:e]
+        return {"wgrad_tensor": out}
+
+
+def _run_mxfp8(activation, bias, probs, routing, padding, fe=None, deterministic=False):
+    from fake_quant_reference import quantized_expert_mlp_fp64
+
+    recipe = MXFP8BlockScaling()
+    problem = random_problem(T=70, H=64, F=64, E=3, activation=activation, dtype=torch.float64, bias=bias,
+                             probs=probs, routing=routing, padding=padding, scale=4.0)
+    leaves = {k: (v.clone().requires_grad_(True) if k in ("x", "w1", "w2", "b1", "b2", "probs") and v is not None
+                  else v) for k, v in problem.items()}
+    args = ExpertMLPArgs(x=leaves["x"], tokens_per_expert=leaves["tokens_per_expert"], w1=leaves["w1"],
+                         w2=leaves["w2"], activation=ActivationConfig(activation), recipe=recipe,
+                         b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], deterministic=deterministic)
+    fe = fe or DocumentedBlockScaledEmulator()
+    y = kernels.run_expert_mlp(fe, args)
+    dy = torch.randn(y.shape, generator=GEN, dtype=torch.float64)
+    y.backward(dy)
+    ref = quantized_expert_mlp_fp64(problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"], recipe,
+                                    activation, b1=problem["b1"], b2=problem["b2"], probs=problem["probs"], dy=dy)
+    errors = {"y": rel_err(y, ref["y"])}
+    unquantized = expert_mlp_fp64(problem["x"], problem["tokens_per_expert"], problem["w1"], problem["w2"], activation,
+                                  b1=problem["b1"], b2=problem["b2"], probs=problem["probs"])
+    errors["vs_unquantized_y"] = rel_err(y, unquantized["y"])  # must be large: MXFP8 rounding is really applied
+    for name in ("x", "w1", "w2", "b1", "b2", "probs"):
+        if leaves[name] is not None:
+            errors[name] = rel_err(leaves[name].grad, ref[name])
+    return fe, errors, y, leaves
+
+
+@pytest.mark.parametrize("activation,bias,probs,routing,padding", [
+    ("swiglu", True, True, "balanced", 4),
+    ("gpt_oss_swiglu", False, True, "empty", 0),
+    ("srelu", True, True, "zipf", 3),
+])
+def test_mxfp8_glue_on_documented_contract_matches_fake_quantized_fp64(activation, bias, probs, routing, padding):
+    fe, errors, y, leaves = _run_mxfp8(activation, bias, probs, routing, padding)
+    fc1, dact = ("srelu", "dsrelu") if activation == "srelu" else ("glu", "dglu")
+    assert fe.calls == [fc1, "quant_gemm", dact, "quant_gemm", "wgrad", "wgrad"]
+    assert errors.pop("vs_unquantized_y") > 1e-3, errors
+    for name, err in errors.items():  # same quantized operands, FP64 on both sides; dprob is an FP32 buffer
+        assert err < (1e-6 if name == "probs" else 1e-10), (name, errors)
+    if padding:
+        assert bool((y[-padding:] == 0).all()) and bool((leaves["x"].grad[-padding:] == 0).all())
+
+
+def test_mxfp8_mutations_are_caught(monkeypatch):
+    """A wrong scale swizzle, or a wgrad operand quantized along the wrong axis, must fail the check above."""
+    from te_fused_moe.backends.cudnn import blockscaled
+
+    def naive_swizzle(scales, fill=None):  # row-major tiles, no 32x4 interleave inside the atom
+        s = scales if scales.dim() == 3 else scales.unsqueeze(0)
+        padded = torch.zeros(s.shape[0], -(-s.shape[1] // 128) * 128, -(-s.shape[2] // 4) * 4, dtype=s.dtype)
+        padded[:, :s.shape[1], :s.shape[2]] = s
+        return padded.reshape(s.shape[0], padded.shape[1] // 128, padded.shape[2] // 4, 32, 4, 4)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(blockscaled, "swizzle_scales", naive_swizzle)
+        _, errors, _, _ = _run_mxfp8("swiglu", False, False, "balanced", 0)
+        assert errors["y"] > 1e-2, errors
+
+    def wrong_axis_columnwise(t):  # rowwise data/scales where the wgrad needs columnwise ones
+        q = mxfp8.quantize(t, axis=0, fp8_format="e4m3")
+        wrong = mxfp8.quantize(t, axis=1, fp8_format="e4m3")
+        return wrong.data, layouts.swizzle_scales(q.scale.t()).view(torch.float8_e8m0fnu)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(blockscaled, "mx_columnwise", wrong_axis_columnwise)
+        _, errors, _, _ = _run_mxfp8("swiglu", False, False, "balanced", 0)
+        assert errors["y"] < 1e-10 and errors["w1"] > 1e-3 and errors["w2"] > 1e-3, errors

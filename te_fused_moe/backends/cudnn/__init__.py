@@ -11,12 +11,11 @@ What runs where:
   entry points pass :func:`.api.check_signatures`. On Hopper (sm_90) ``backend="auto"`` uses our
   Triton kernels instead.
 * Activations: ``swiglu`` and ``gpt_oss_swiglu`` (cuDNN's ``"geglu"``: clamped, alpha 1.702,
-  limit 7, +1 on up — the only alpha/limit its BF16 forward accepts). cuDNN FE has no plain GeGLU,
-  SiLU or GELU kernels. Its squared-ReLU kernels are block-scaled only (FP8/FP4 operands).
-* Recipes: BF16. cuDNN FE also has MXFP8 (E8M0 per 32) and NVFP4 (E4M3 per 16) block-scaled
-  variants of these kernels; :mod:`.layouts` builds their scale-factor atoms, but driving them is
-  not wired here yet, so ``supports`` refuses those recipes (and ``srelu``) with that reason rather
-  than claim numbers nobody has checked on SM100.
+  limit 7, +1 on up), and ``srelu`` with MXFP8 only (its kernels take block-scaled operands only).
+  cuDNN FE has no plain GeGLU, SiLU or GELU kernels.
+* Recipes: BF16 (:mod:`.kernels`) and MXFP8 with E4M3 for every role (:mod:`.blockscaled`; the
+  kernels need A and B of one dtype, so HYBRID is refused). NVFP4 is refused with the reason in
+  :meth:`CudnnBackend.supports`. None of this has run on SM100 hardware (docs/te_cudnn.md).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ...activations import GPT_OSS_ALPHA, GPT_OSS_LIMIT, ActivationConfig
-from ...recipes import BF16Recipe, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
+from ...recipes import BF16Recipe, Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
 from ..base import Availability, Backend, ExpertMLPArgs
 from . import api
 
@@ -56,13 +55,7 @@ class CudnnBackend(Backend):
         return Availability(True)
 
     def supports(self, activation: ActivationConfig, recipe: Recipe, dtype: torch.dtype) -> Availability:
-        if activation.name not in GLU_ACTIVATIONS:
-            if activation.name == "srelu":
-                return Availability(
-                    False,
-                    "srelu: cuDNN Frontend's squared-ReLU grouped kernels take only block-scaled (FP8/FP4) operands, "
-                    "which this backend does not drive yet",
-                )
+        if activation.name not in GLU_ACTIVATIONS and activation.name != "srelu":
             return Availability(
                 False,
                 f"activation {activation.name!r}: cuDNN Frontend has fused grouped GEMM kernels only for "
@@ -73,22 +66,39 @@ class CudnnBackend(Backend):
         ):
             return Availability(
                 False,
-                f"gpt_oss_swiglu with alpha={activation.alpha}, limit={activation.limit}: cuDNN Frontend's BF16 GLU "
-                f"kernel fixes alpha={GPT_OSS_ALPHA}, limit={GPT_OSS_LIMIT}",
+                f"gpt_oss_swiglu with alpha={activation.alpha}, limit={activation.limit}: this backend passes "
+                f"cuDNN Frontend's GLU kernels alpha={GPT_OSS_ALPHA}, limit={GPT_OSS_LIMIT} only (its BF16 forward "
+                f"fixes them)",
             )
         if isinstance(recipe, Float8BlockScaling):
             return Availability(False, "recipe fp8_block: cuDNN Frontend's grouped kernels take MX/NV block scales "
                                        "(1x32/1x16), not 128-element FP8 blocks")
-        if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)):
+        if isinstance(recipe, NVFP4BlockScaling):
             return Availability(
                 False,
-                f"recipe {recipe.name}: cuDNN Frontend has block-scaled variants of these kernels but this backend "
-                f"drives only the BF16 ones so far",
+                "recipe nvfp4: not driven yet. cuDNN Frontend's kernels take NVFP4 operands, but TE's recipe gives "
+                "every expert its own FP32 tensor scale (per-expert amax, to fold into alpha) and its FC1 epilogue "
+                "emits no NVFP4 activation (no SFD for FP4 inputs), and the FP4 packing/RHT/2D-block glue is not "
+                "written or tested here; use backend='reference' or 'triton'",
             )
-        if not isinstance(recipe, BF16Recipe):
+        if isinstance(recipe, MXFP8BlockScaling):
+            if recipe.fp8_format is not Format.E4M3:
+                return Availability(
+                    False,
+                    f"recipe mxfp8 with fp8_format={recipe.fp8_format.name}: cuDNN Frontend's block-scaled kernels "
+                    f"need A and B of one FP8 dtype, so E5M2 gradients times E4M3 weights cannot run; use E4M3",
+                )
+        elif not isinstance(recipe, BF16Recipe):
             return Availability(False, f"recipe {recipe.name!r} is not supported by the cudnn backend")
+        elif activation.name == "srelu":
+            return Availability(
+                False,
+                "srelu with recipe bf16: cuDNN Frontend's squared-ReLU grouped kernels take only block-scaled "
+                "(FP8/FP4) operands; use recipe mxfp8 or another backend",
+            )
         if dtype != torch.bfloat16:
-            return Availability(False, f"dtype {dtype}: cuDNN Frontend's BF16 grouped GEMM kernels take bfloat16 operands")
+            return Availability(False, f"dtype {dtype}: cuDNN Frontend's grouped GEMM kernels take bfloat16 "
+                                       f"parameters and write bfloat16 outputs here")
         return Availability(True)
 
     def forward(self, args: ExpertMLPArgs) -> torch.Tensor:

@@ -22,26 +22,36 @@ GROUPED_MODULE = "cudnn.gemm.cutedsl.grouped"
 # Entry point -> parameters this backend relies on (a subset of 1.32.0's signatures).
 REQUIRED_PARAMETERS: Dict[str, Tuple[str, ...]] = {
     "grouped_gemm_glu_wrapper_sm100": (
-        "a_tensor", "sfa_tensor", "padded_offsets", "alpha_tensor", "b_tensor", "bias_tensor", "prob_tensor",
-        "c_dtype", "d_dtype", "act_func", "geglu_alpha", "glu_clamp_max", "glu_clamp_min", "linear_offset",
+        "a_tensor", "sfa_tensor", "padded_offsets", "alpha_tensor", "b_tensor", "sfb_tensor", "bias_tensor",
+        "prob_tensor", "norm_const_tensor", "sf_vec_size", "c_dtype", "d_dtype", "act_func", "geglu_alpha", "glu_clamp_max", "glu_clamp_min", "linear_offset",
         "m_aligned", "generate_c",
     ),
     "grouped_gemm_dglu_wrapper_sm100": (
         "a_tensor", "c_tensor", "sfa_tensor", "padded_offsets", "alpha_tensor", "beta_tensor", "prob_tensor",
-        "dprob_tensor", "b_tensor", "generate_dbias", "d_dtype", "act_func", "geglu_alpha", "glu_clamp_max",
+        "dprob_tensor", "b_tensor", "sfb_tensor", "norm_const_tensor", "sf_vec_size", "m_aligned", "generate_dbias",
+        "d_dtype", "act_func", "geglu_alpha", "glu_clamp_max",
         "glu_clamp_min", "linear_offset", "deterministic",
     ),
     "grouped_gemm_wrapper_sm100": (
         "a_tensor", "padded_offsets", "alpha_tensor", "b_tensor", "bias_tensor", "c_dtype", "d_dtype", "m_aligned",
     ),
     "grouped_gemm_wgrad_wrapper_sm100": (
-        "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor", "wgrad_dtype",
+        "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor", "wgrad_dtype", "sf_vec_size",
     ),
-    # Present for the block-scaled recipes and squared ReLU; detected so `te-fused-moe env` can say
-    # what the installed version offers (see supports() for what this backend drives).
-    "grouped_gemm_quant_wrapper_sm100": ("a_tensor", "sfa_tensor", "padded_offsets", "alpha_tensor", "b_tensor"),
-    "grouped_gemm_srelu_wrapper_sm100": ("a_tensor", "b_tensor", "padded_offsets", "prob_tensor"),
-    "grouped_gemm_dsrelu_wrapper_sm100": ("a_tensor", "b_tensor", "c_tensor", "padded_offsets", "dprob_tensor"),
+    # The MXFP8 path (blockscaled.py): FC2 and FC1 dgrad, and the squared-ReLU pair.
+    "grouped_gemm_quant_wrapper_sm100": (
+        "a_tensor", "sfa_tensor", "padded_offsets", "alpha_tensor", "b_tensor", "sfb_tensor", "bias_tensor",
+        "norm_const_tensor", "d_dtype", "sf_vec_size", "m_aligned", "generate_amax",
+    ),
+    "grouped_gemm_srelu_wrapper_sm100": (
+        "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "padded_offsets", "alpha_tensor", "bias_tensor",
+        "norm_const_tensor", "prob_tensor", "c_dtype", "d_dtype", "sf_vec_size", "m_aligned",
+    ),
+    "grouped_gemm_dsrelu_wrapper_sm100": (
+        "a_tensor", "b_tensor", "c_tensor", "sfa_tensor", "sfb_tensor", "padded_offsets", "alpha_tensor",
+        "prob_tensor", "dprob_tensor", "generate_dbias", "norm_const_tensor", "d_dtype", "sf_vec_size", "m_aligned",
+        "deterministic",
+    ),
 }
 REQUIRED_CLASSES = ("GroupedGemmGluSm100", "GroupedGemmDgluSm100", "GroupedGemmWgradSm100", "GroupedGemmSm100")
 

@@ -24,8 +24,10 @@ from typing import Set, Tuple
 
 import torch
 
+from ...recipes import MXFP8BlockScaling
 from ..base import ExpertMLPArgs
 from . import api
+from .blockscaled import CudnnMXFP8ExpertMLP
 from .layouts import (
     GROUP_ALIGN,
     deinterleave_glu,
@@ -70,7 +72,7 @@ def check_shapes(args: ExpertMLPArgs) -> None:
 def _signature(args: ExpertMLPArgs) -> Tuple:
     return (
         tuple(args.x.shape), tuple(args.w1.shape), args.x.dtype, args.x.device,
-        args.activation.name, args.b1 is not None, args.b2 is not None, args.deterministic,
+        args.activation.name, args.b1 is not None, args.b2 is not None, args.deterministic, args.recipe,
     )
 
 
@@ -84,7 +86,11 @@ def cudnn_expert_mlp(args: ExpertMLPArgs) -> torch.Tensor:
 def run_expert_mlp(fe, args: ExpertMLPArgs) -> torch.Tensor:
     """The differentiable expert MLP on the entry points in ``fe`` (see :func:`.api.load`)."""
     check_shapes(args)
-    if args.deterministic and args.probs is not None and args.probs.requires_grad:
+    quantized = isinstance(args.recipe, MXFP8BlockScaling)
+    if quantized and args.hidden_size % 32 != 0:
+        raise ValueError(f"x: backend='cudnn' with MXFP8 needs H to be a multiple of 32 (1x32 scale blocks), "
+                         f"got H={args.hidden_size}")
+    if not quantized and args.deterministic and args.probs is not None and args.probs.requires_grad:
         raise ValueError(
             "deterministic: cuDNN Frontend's BF16 dGLU kernel accumulates the router-prob gradient with atomics "
             "(its deterministic mode is block-scaled only); use backend='triton' or 'reference', or detach probs"
@@ -97,6 +103,11 @@ def run_expert_mlp(fe, args: ExpertMLPArgs) -> torch.Tensor:
                 "its kernels on first use, so run one eager forward+backward with the same shapes before capturing"
             )
         _compiled_signatures.add(signature)
+    if quantized:
+        return CudnnMXFP8ExpertMLP.apply(
+            args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
+            args.activation.name, args.deterministic, kernel_offsets(args.tokens_per_expert), fe,
+        )
     return _CudnnExpertMLP.apply(
         args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
         args.activation.name, args.deterministic, fe,
@@ -107,7 +118,7 @@ def _two_d(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.reshape(rows, -1)
 
 
-def _group_sums(rows_pad: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+def group_sums(rows_pad: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
     """Per-group row sums of a padded ``[M, H]`` tensor (rows past the last group are dropped)."""
     m = rows_pad.shape[0]
     group = torch.searchsorted(offsets.to(torch.int64), torch.arange(m, device=rows_pad.device), right=True)
@@ -202,7 +213,7 @@ class _CudnnExpertMLP(torch.autograd.Function):
         if has_b1 and need[4]:
             db1 = deinterleave_glu(dglu["dbias_tensor"].reshape(experts, 2 * ffn), dim=1).to(w2.dtype)
         if has_b2 and need[5]:
-            db2 = _group_sums(dy_pad, offsets, experts).to(w2.dtype)
+            db2 = group_sums(dy_pad, offsets, experts).to(w2.dtype)
         if probs_dtype is not None and need[6]:
             dprob = gather_from_padded(_two_d(dglu["dprob_tensor"], rows), row_index).reshape(tokens)
             dprobs = torch.where(valid, dprob, torch.zeros_like(dprob)).to(probs_dtype)
