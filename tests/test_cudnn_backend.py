@@ -223,7 +223,7 @@ def test_supports_matrix():
         (ActivationConfig("swiglu"), MXFP8BlockScaling(fp8_format=Format.HYBRID), torch.bfloat16, "of one FP8 dtype"),
         (ActivationConfig("swiglu"), NVFP4BlockScaling(), torch.bfloat16, "recipe nvfp4: not driven yet"),
         (ActivationConfig("srelu"), NVFP4BlockScaling(), torch.bfloat16, "recipe nvfp4: not driven yet"),
-        (ActivationConfig("swiglu"), bf16, torch.float16, "take bfloat16 operands"),
+        (ActivationConfig("swiglu"), bf16, torch.float16, "take bfloat16 parameters"),
     ]
     for act, recipe, dtype, why in refused:
         verdict = BACKEND.supports(act, recipe, dtype)
