@@ -355,9 +355,12 @@ class DocumentedKernelEmulator:
                                          wgrad_dtype):
         self.calls.append("wgrad")
         assert a_tensor.stride() == (1, a_tensor.shape[0])  # A (hidden, tokens) given M-major
-        out = torch.zeros(offsets_tensor.shape[0], a_tensor.shape[0], b_tensor.shape[1], dtype=wgrad_dtype)
+        # torch.empty in the wrapper: a group with no rows is never written (NaN here)
+        out = torch.full((offsets_tensor.shape[0], a_tensor.shape[0], b_tensor.shape[1]), float("nan"),
+                         dtype=wgrad_dtype)
         for g, s, e in self._groups(offsets_tensor):
-            out[g] = a_tensor[:, s:e] @ b_tensor[s:e]
+            if e > s:
+                out[g] = a_tensor[:, s:e] @ b_tensor[s:e]
         return {"wgrad_tensor": out}
 
 
@@ -571,9 +574,10 @@ class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
         assert sf_vec_size == 32
         a = _mx_dequant(a_tensor, sfa_tensor)  # (m, tokens), scales over (m, tokens/32)
         b = _mx_dequant(b_tensor, sfb_tensor, along_rows=True)  # (tokens, n), scales over (n, tokens/32)
-        out = torch.zeros(offsets_tensor.shape[0], a.shape[0], b.shape[1], dtype=wgrad_dtype)
+        out = torch.full((offsets_tensor.shape[0], a.shape[0], b.shape[1]), float("nan"), dtype=wgrad_dtype)
         for g, s, e in self._groups(offsets_tensor):
-            out[g] = a[:, s:e] @ b[s:e]
+            if e > s:
+                out[g] = a[:, s:e] @ b[s:e]
         return {"wgrad_tensor": out}
 
 

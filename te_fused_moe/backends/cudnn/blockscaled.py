@@ -40,6 +40,7 @@ from .layouts import (
     scatter_to_padded,
     swizzle_scales,
     valid_row_mask,
+    zero_empty_groups,
 )
 
 MX_BLOCK = 32
@@ -113,14 +114,16 @@ class CudnnMXFP8ExpertMLP(torch.autograd.Function):
         y = gather_from_padded(_two_d(fc2["d_tensor"], rows), row_index)
         y = torch.where(valid[:, None], y, torch.zeros_like(y))
 
-        ctx.save_for_backward(x_pad, pre_act, act_col, sf_act_col, prob_pad, offsets, row_index, valid, w1_k, w2)
+        ctx.save_for_backward(x_pad, pre_act, act_col, sf_act_col, prob_pad, offsets, row_index, valid, w1_k, w2,
+                              counts)
         ctx.meta = (tokens, hidden, ffn, experts, rows, act_name, deterministic, fe, b1 is not None, b2 is not None,
                     probs.dtype if probs is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_pad, pre_act, act_col, sf_act_col, prob_pad, offsets, row_index, valid, w1_k, w2 = ctx.saved_tensors
+        (x_pad, pre_act, act_col, sf_act_col, prob_pad, offsets, row_index, valid, w1_k, w2,
+         counts) = ctx.saved_tensors
         tokens, hidden, ffn, experts, rows, act_name, deterministic, fe, has_b1, has_b2, probs_dtype = ctx.meta
         gated = act_name != "srelu"
         need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, ...
@@ -168,13 +171,14 @@ class CudnnMXFP8ExpertMLP(torch.autograd.Function):
                 a_tensor=dh_col.t(), b_tensor=xcq, sfa_tensor=sf_dh_col, sfb_tensor=sfxc, offsets_tensor=offsets,
                 wgrad_dtype=w1_k.dtype, sf_vec_size=MX_BLOCK,
             )["wgrad_tensor"].reshape(w1_k.shape)
-            dw1 = deinterleave_glu(dw1_k, dim=1) if gated else dw1_k
+            dw1 = zero_empty_groups(deinterleave_glu(dw1_k, dim=1) if gated else dw1_k, counts)
         if need[3]:
             dycq, sfdyc = mx_columnwise(dy_pad)
             dw2 = fe.grouped_gemm_wgrad_wrapper_sm100(
                 a_tensor=dycq.t(), b_tensor=act_col, sfa_tensor=sfdyc, sfb_tensor=sf_act_col, offsets_tensor=offsets,
                 wgrad_dtype=w2.dtype, sf_vec_size=MX_BLOCK,
             )["wgrad_tensor"].reshape(experts, hidden, ffn)
+            dw2 = zero_empty_groups(dw2, counts)
         if has_b1 and need[4]:
             dbias = dact["dbias_tensor"].reshape(experts, -1)
             db1 = (deinterleave_glu(dbias, dim=1) if gated else dbias).to(w2.dtype)

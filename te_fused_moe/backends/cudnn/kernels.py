@@ -38,6 +38,7 @@ from .layouts import (
     padded_rows_bound,
     scatter_to_padded,
     valid_row_mask,
+    zero_empty_groups,
 )
 
 FORWARD_ACT = {"swiglu": "swiglu", "gpt_oss_swiglu": "geglu"}
@@ -90,6 +91,15 @@ def run_expert_mlp(fe, args: ExpertMLPArgs) -> torch.Tensor:
     if quantized and args.hidden_size % 32 != 0:
         raise ValueError(f"x: backend='cudnn' with MXFP8 needs H to be a multiple of 32 (1x32 scale blocks), "
                          f"got H={args.hidden_size}")
+    if not quantized and args.activation.name == "srelu":
+        raise ValueError("activation: cuDNN Frontend's squared-ReLU kernels take only block-scaled operands; "
+                         "use recipe='mxfp8' with backend='cudnn'")
+    if (quantized and args.deterministic and args.activation.name != "srelu" and args.b1 is not None
+            and args.b1.requires_grad):
+        raise ValueError(
+            "deterministic: cuDNN Frontend's deterministic block-scaled dGLU mode excludes the fused dbias; "
+            "use backend='triton' or 'reference', or freeze b1"
+        )
     if not quantized and args.deterministic and args.probs is not None and args.probs.requires_grad:
         raise ValueError(
             "deterministic: cuDNN Frontend's BF16 dGLU kernel accumulates the router-prob gradient with atomics "
@@ -163,14 +173,14 @@ class _CudnnExpertMLP(torch.autograd.Function):
         y = gather_from_padded(y_pad, row_index)
         y = torch.where(valid[:, None], y, torch.zeros_like(y))
 
-        ctx.save_for_backward(x_pad, pre_act, act, prob_pad, offsets, row_index, valid, w1_glu, w2)
+        ctx.save_for_backward(x_pad, pre_act, act, prob_pad, offsets, row_index, valid, w1_glu, w2, counts)
         ctx.meta = (tokens, hidden, ffn, experts, rows, act_name, deterministic, fe,
                     b1 is not None, b2 is not None, probs.dtype if probs is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_pad, pre_act, act, prob_pad, offsets, row_index, valid, w1_glu, w2 = ctx.saved_tensors
+        x_pad, pre_act, act, prob_pad, offsets, row_index, valid, w1_glu, w2, counts = ctx.saved_tensors
         tokens, hidden, ffn, experts, rows, act_name, deterministic, fe, has_b1, has_b2, probs_dtype = ctx.meta
         need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, ...
         ones = torch.ones(experts, dtype=torch.float32, device=dy.device)
@@ -204,12 +214,13 @@ class _CudnnExpertMLP(torch.autograd.Function):
                 a_tensor=dh.t(), b_tensor=x_pad, sfa_tensor=None, sfb_tensor=None, offsets_tensor=offsets,
                 wgrad_dtype=w1_glu.dtype,
             )["wgrad_tensor"]
-            dw1 = deinterleave_glu(dw1_glu.reshape(experts, 2 * ffn, hidden), dim=1)
+            dw1 = zero_empty_groups(deinterleave_glu(dw1_glu.reshape(experts, 2 * ffn, hidden), dim=1), counts)
         if need[3]:
             dw2 = fe.grouped_gemm_wgrad_wrapper_sm100(
                 a_tensor=dy_pad.t(), b_tensor=act, sfa_tensor=None, sfb_tensor=None, offsets_tensor=offsets,
                 wgrad_dtype=w2.dtype,
             )["wgrad_tensor"].reshape(experts, hidden, ffn)
+            dw2 = zero_empty_groups(dw2, counts)
         if has_b1 and need[4]:
             db1 = deinterleave_glu(dglu["dbias_tensor"].reshape(experts, 2 * ffn), dim=1).to(w2.dtype)
         if has_b2 and need[5]:

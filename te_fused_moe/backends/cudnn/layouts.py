@@ -94,6 +94,15 @@ def gather_from_padded(padded: torch.Tensor, row_index: torch.Tensor) -> torch.T
     return padded.index_select(0, row_index)
 
 
+def zero_empty_groups(per_group: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``per_group [E, ...]`` with the entries of experts that received no rows set to zero.
+
+    cuDNN FE's wgrad wrapper allocates its output with ``torch.empty``; a group with no rows has
+    no tile to write, so its weight gradient would be whatever memory held. Done on the device."""
+    has_rows = (tokens_per_expert > 0).reshape((-1,) + (1,) * (per_group.dim() - 1))
+    return torch.where(has_rows, per_group, torch.zeros((), dtype=per_group.dtype, device=per_group.device))
+
+
 # --------------------------------------------------------------------------- gate/up interleave
 
 def _check_glu_width(width: int, block: int) -> None:
@@ -177,6 +186,7 @@ __all__ = [
     "padded_offsets",
     "padded_row_index",
     "valid_row_mask",
+    "zero_empty_groups",
     "scatter_to_padded",
     "gather_from_padded",
     "interleave_glu",
