@@ -8,6 +8,9 @@
 #   <config>/<impl>/log.json (+ loss.png)      50 iterations, same seed, impl = fused | sequential
 #   <config>/<impl>.log                        the run's stdout
 #   summary.json, loss_curves.png              loss curves side by side, tokens/s, MoE-layer fwd+bwd ms
+#   graphs/<mode>/log.json, graphs/summary.json  GRAPHS=1 only: GPT-OSS proxy, fused, whole-step tokens/s
+#                                              with --cuda-graph none | local | full_iteration
+# Options: SKIP_TESTS=1 (no pytest), SKIP_TRAIN=1 (no fused-vs-sequential runs), GRAPHS=1 (opt-in).
 # Budget: about 5 minutes of GPU time; every step is bounded by `timeout` (75+60+4*60 s at most).
 set -u -o pipefail
 OUT=${OUT:-runs/device_megatron}
@@ -43,14 +46,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: training runs only
 timeout 75 $PY -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_megatron_gpu.py \
   --junitxml="$OUT/pytest_megatron_gpu.xml" > "$OUT/pytest_megatron_gpu.txt" 2>&1
 echo "GPU pytest rc=$? ($(tail -1 "$OUT/pytest_megatron_gpu.txt"))"
-CUDA_VISIBLE_DEVICES= timeout 60 $PY -m pytest -q -p no:cacheprovider -W ignore \
+CUDA_VISIBLE_DEVICES= timeout 90 $PY -m pytest -q -p no:cacheprovider -W ignore \
   tests/test_megatron_config.py tests/test_megatron_experts.py tests/test_megatron_checkpoint.py \
-  tests/test_megatron_ep.py --junitxml="$OUT/pytest_megatron_cpu.xml" > "$OUT/pytest_megatron_cpu.txt" 2>&1
+  tests/test_megatron_ep.py tests/test_megatron_quantized.py tests/test_megatron_cuda_graph.py \
+  tests/test_megatron_no_sync.py --junitxml="$OUT/pytest_megatron_cpu.xml" > "$OUT/pytest_megatron_cpu.txt" 2>&1
 echo "CPU pytest (megatron-core 0.19.2) rc=$? ($(tail -1 "$OUT/pytest_megatron_cpu.txt"))"
 fi
 
 # 3. Training: GPT-OSS and Qwen3-MoE proxies, fused vs sequential, same seed and data.
-for cfg in gpt_oss_proxy qwen3_moe_proxy; do
+TRAIN_CONFIGS="gpt_oss_proxy qwen3_moe_proxy"
+[ -n "${SKIP_TRAIN:-}" ] && TRAIN_CONFIGS=""
+for cfg in $TRAIN_CONFIGS; do
   for impl in fused sequential; do
     mkdir -p "$OUT/$cfg"
     timeout 60 $PY scripts/pretrain_moe.py --config "configs/$cfg.yaml" --moe-grouped-gemm-impl "$impl" \
@@ -60,7 +66,45 @@ for cfg in gpt_oss_proxy qwen3_moe_proxy; do
   done
 done
 
+# 3b. GRAPHS=1: whole-step tokens/s of the GPT-OSS proxy (fused) without and with CUDA graphs.
+if [ -n "${GRAPHS:-}" ]; then
+  for mode in none local full_iteration; do
+    mkdir -p "$OUT/graphs"
+    timeout 90 $PY scripts/pretrain_moe.py --config configs/gpt_oss_proxy.yaml --moe-grouped-gemm-impl fused \
+      --train-iters "$ITERS" --device cuda --seed "$SEED" --moe-timing-iters 5 --cuda-graph "$mode" \
+      ${LR:+--lr "$LR"} --out "$OUT/graphs/$mode" > "$OUT/graphs/$mode.log" 2>&1
+    echo "graphs $mode rc=$? $(grep -E 'wrote|Error' "$OUT/graphs/$mode.log" | tail -1 | cut -c1-220)"
+  done
+  $PY - "$OUT/graphs" <<'PYEOF'
+import json, os, sys
+out = sys.argv[1]
+summary = {}
+for mode in ("none", "local", "full_iteration"):
+    path = os.path.join(out, mode, "log.json")
+    if not os.path.exists(path):
+        summary[mode] = "missing (see %s.log)" % mode
+        continue
+    log = json.load(open(path))
+    summary[mode] = {"tokens_per_s_after_warmup": log["tokens_per_s_after_warmup"],
+                     "steady_state_from_step": log.get("steady_state_from_step"),
+                     "cuda_graph_config": log.get("cuda_graph_config"),
+                     "full_iteration_graph_captured": log.get("full_iteration_graph_captured"),
+                     "loss_first": log["steps"][0]["loss"], "loss_last": log["steps"][-1]["loss"],
+                     "losses": [s["loss"] for s in log["steps"]]}
+base = summary.get("none")
+for mode, entry in summary.items():
+    if isinstance(entry, dict) and isinstance(base, dict):
+        entry["speedup_vs_none"] = entry["tokens_per_s_after_warmup"] / base["tokens_per_s_after_warmup"]
+        entry["max_abs_loss_diff_vs_none"] = max(abs(a - b) for a, b in zip(entry["losses"], base["losses"]))
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+for mode, entry in summary.items():
+    print("graphs", mode, entry if not isinstance(entry, dict) else
+          {k: v for k, v in entry.items() if k != "losses"})
+PYEOF
+fi
+
 # 4. Summary: loss curves side by side, tokens/s, MoE layer fwd+bwd.
+[ -n "${SKIP_TRAIN:-}" ] && exit 0
 $PY - "$OUT" <<'PYEOF'
 import json, os, sys
 out = sys.argv[1]

@@ -14,6 +14,10 @@ wrapper; without TE/Apex Megatron itself falls back to torch's Adam(W)).
 Writes ``<out>/log.json`` (config, versions, per-step loss, tokens/s, step time, MoE-layer
 forward+backward time) and, with --plot, ``<out>/loss.png``. Timing synchronizes the GPU once per
 step for the log only; the experts themselves never sync.
+
+``--cuda-graph {none,local,full_iteration}`` (GPU only; see ``megatron_patches.cuda_graph``):
+``local`` turns on Megatron's per-layer graphs, ``full_iteration`` replays forward+backward of the
+whole step from one graph; compare ``tokens_per_s_after_warmup`` with and without.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
 ACTIVATIONS = ("swiglu", "geglu", "gpt_oss_swiglu", "srelu")
+CUDA_GRAPH_MODES = ("none", "local", "full_iteration")  # = megatron_patches.cuda_graph.MODES (checked in tests)
+FULL_ITERATION_WARMUP_STEPS = 2  # eager steps before the whole-step graph is captured
 
 
 def parse_args(argv=None):
@@ -52,6 +58,9 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
     parser.add_argument("--moe-timing-iters", type=int, default=None, help="MoE layer fwd+bwd timing repeats")
     parser.add_argument("--plot", action="store_true", help="also write loss.png (matplotlib)")
+    parser.add_argument("--cuda-graph", choices=CUDA_GRAPH_MODES, default="none",
+                        help="CUDA graphs (needs CUDA): Megatron's per-layer graphs ('local') or one graph of "
+                             "the whole forward+backward ('full_iteration'); default none")
     add_megatron_args(parser)  # --moe-grouped-gemm-impl, same flag as with Megatron-LM
     return parser.parse_args(argv)
 
@@ -91,7 +100,7 @@ def init_distributed(device: torch.device) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
 
 
-def build_config(model: dict, impl: str, device: torch.device):
+def build_config(model: dict, impl: str, device: torch.device, extra_fields: dict = None):
     from megatron_patches import FusedMoETransformerConfig
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -121,6 +130,7 @@ def build_config(model: dict, impl: str, device: torch.device):
         persist_layer_norm=False, bias_activation_fusion=False,
     )
     fields.update(activation_settings(model.get("activation", "swiglu")))
+    fields.update(extra_fields or {})
     return FusedMoETransformerConfig(**fields)
 
 
@@ -293,16 +303,34 @@ def versions() -> dict:
     return out
 
 
+def steady_state_start(cuda_graph: str, config) -> int:
+    """Steps left out of the steady-state tokens/s: 2 warm-up steps, plus the eager and capture
+    steps of the chosen CUDA-graph mode."""
+    if cuda_graph == "full_iteration":
+        return 2 + FULL_ITERATION_WARMUP_STEPS
+    if cuda_graph == "local":
+        return 2 + int(getattr(config, "cuda_graph_warmup_steps", 3))
+    return 2
+
+
 def train(args) -> dict:
     from megatron_patches.cpu_compat import cpu_cuda_shim
+    from megatron_patches.cuda_graph import (
+        FullIterationGraph,
+        create_megatron_layer_graphs,
+        cuda_graph_config_fields,
+        uses_megatron_layer_graphs,
+    )
 
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda_graph = getattr(args, "cuda_graph", "none")
+    graph_fields = cuda_graph_config_fields(cuda_graph, device)  # raises before any work without CUDA
     with open(args.config) as f:
         spec = yaml.safe_load(f)
     model = spec["model"]
     train_cfg = spec.get("train", {})
     impl = args.moe_grouped_gemm_impl or train_cfg.get("moe_grouped_gemm_impl", "fused")
     iters = args.train_iters or train_cfg.get("train_iters", 10)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = os.path.splitext(os.path.basename(args.config))[0]
     out_dir = args.out or os.path.join(ROOT, "runs", f"{name}_{impl}")
     os.makedirs(out_dir, exist_ok=True)
@@ -314,7 +342,7 @@ def train(args) -> dict:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(args.seed)
-        config = build_config(model, impl, device)
+        config = build_config(model, impl, device, graph_fields)
         gpt = build_model(config, model, device)
         experts = sorted({type(m.experts).__name__ for m in gpt.modules() if hasattr(m, "experts")})
         backend = resolved_backends(gpt, device, config.params_dtype)
@@ -325,7 +353,18 @@ def train(args) -> dict:
         seq = model["seq_length"]
         causal_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
 
+        def forward_backward(tokens, labels, loss_mask, position_ids):
+            losses = trainer.model(tokens, position_ids, causal_mask, labels=labels)
+            loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
+            loss.backward()
+            return (loss.detach(),)
+
+        if cuda_graph == "full_iteration":
+            forward_backward = FullIterationGraph(forward_backward, warmup_steps=FULL_ITERATION_WARMUP_STEPS)
+        layer_graphs = uses_megatron_layer_graphs(config)
+
         print(f"[pretrain_moe] {name}: impl={impl} experts={experts} backend={backend} device={device} "
+              f"cuda_graph={cuda_graph} {graph_fields} "
               f"params={sum(p.numel() for p in gpt.parameters()) / 1e6:.2f}M data={source.split(' (')[0]}",
               flush=True)
         steps = []
@@ -335,9 +374,9 @@ def train(args) -> dict:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             trainer.zero_grad()
-            losses = trainer.model(tokens, position_ids, causal_mask, labels=labels)
-            loss = (losses.float() * loss_mask).sum() / loss_mask.sum()
-            loss.backward()
+            (loss,) = forward_backward(tokens, labels, loss_mask, position_ids)
+            if layer_graphs:
+                create_megatron_layer_graphs()  # as Megatron's schedules do after each step
             update_ok, grad_norm = trainer.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -354,15 +393,19 @@ def train(args) -> dict:
         repeats = args.moe_timing_iters or (20 if device.type == "cuda" else 3)
         moe_timing = moe_layer_timing(gpt, config, model, device, repeats)
 
-    steady = steps[min(2, len(steps) - 1):]
+    steady_from = min(steady_state_start(cuda_graph, config), len(steps) - 1)
+    steady = steps[steady_from:]
     log = {
         "config_file": os.path.relpath(os.path.abspath(args.config), ROOT), "model": model, "train": train_cfg,
         "moe_grouped_gemm_impl": impl, "experts_class": experts, "fused_backend": backend, "device": str(device),
         "seed": args.seed, "iters": iters, "data": source, "optimizer": trainer.description, "versions": versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": steps,
-        # all tokens of the steps after the first two over their total time (not a mean of per-step
-        # rates, which fast steps would inflate)
+        # all tokens of the steps after warm-up (and graph capture) over their total time (not a
+        # mean of per-step rates, which fast steps would inflate)
         "tokens_per_s_after_warmup": tokens_per_step * len(steady) / sum(s["step_time_s"] for s in steady),
+        "steady_state_from_step": steady_from + 1,
+        "cuda_graph": cuda_graph, "cuda_graph_config": {k: str(v) for k, v in graph_fields.items()},
+        "full_iteration_graph_captured": bool(getattr(forward_backward, "captured", False)),
         "moe_layer_timing": moe_timing,
     }
     with open(os.path.join(out_dir, "log.json"), "w") as f:
