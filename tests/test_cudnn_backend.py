@@ -648,3 +648,21 @@ def test_mxfp8_mutations_are_caught(monkeypatch):
         patch.setattr(blockscaled, "mx_columnwise", wrong_axis_columnwise)
         _, errors, _, _ = _run_mxfp8("swiglu", False, False, "balanced", 0)
         assert errors["y"] < 1e-10 and errors["w1"] > 1e-3 and errors["w2"] > 1e-3, errors
+
+
+def test_mxfp8_refusals_name_the_kernel_limit():
+    problem = random_problem(T=40, H=32, F=32, E=2, dtype=torch.float64, bias=True, probs=True)
+    base = dict(x=problem["x"], tokens_per_expert=problem["tokens_per_expert"], w1=problem["w1"], w2=problem["w2"],
+                probs=problem["probs"], b2=problem["b2"])
+    args = ExpertMLPArgs(**base, activation=ActivationConfig("swiglu"), recipe=MXFP8BlockScaling(),
+                         b1=problem["b1"].clone().requires_grad_(True), deterministic=True)
+    with pytest.raises(ValueError, match="deterministic: .*excludes the fused dbias"):
+        kernels.run_expert_mlp(DocumentedBlockScaledEmulator(), args)
+    args = ExpertMLPArgs(**base, activation=ActivationConfig("srelu"), recipe=BF16Recipe(), b1=problem["b1"])
+    with pytest.raises(ValueError, match="squared-ReLU kernels take only block-scaled"):
+        kernels.run_expert_mlp(DocumentedBlockScaledEmulator(), args)
+    args = ExpertMLPArgs(**dict(base, x=problem["x"][:, :16].contiguous(), w1=problem["w1"][:, :, :16].contiguous(),
+                                w2=problem["w2"][:, :16].contiguous(), b2=problem["b2"][:, :16].contiguous()),
+                         activation=ActivationConfig("swiglu"), recipe=MXFP8BlockScaling())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.run_expert_mlp(DocumentedBlockScaledEmulator(), args)

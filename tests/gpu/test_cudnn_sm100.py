@@ -36,11 +36,11 @@ def _problem(activation, bias, probs, routing="empty", padding=7, T=1000, H=256,
     return p
 
 
-def _run(p, backend, activation, dy):
+def _run(p, backend, activation, dy, recipe=None):
     leaves = {k: (v.detach().clone().requires_grad_(True) if k in ("x", "w1", "w2", "b1", "b2", "probs") and v is not None
                   else v) for k, v in p.items()}
     y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation=activation,
-                      b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend=backend)
+                      recipe=recipe, b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend=backend)
     y.backward(dy)
     return y.detach(), {k: (v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None) for k, v in leaves.items()}
 
@@ -125,3 +125,51 @@ def test_first_call_inside_capture_is_refused_with_advice():
     with pytest.raises(RuntimeError, match="run one eager forward"):
         with torch.cuda.graph(graph):
             fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], backend="cudnn")
+
+
+# --------------------------------------------------------------------------- MXFP8 (block-scaled kernels)
+
+# Same MXFP8 operands as the fake-quantized FP64 loop for FC1 fprop and every weight; the kernels keep
+# C in BF16 and accumulate in FP32, so an activation/gradient element near an FP8 rounding tie can
+# land one FP8 step away. Relative errors of a few 1e-3 are expected; 3e-2 flags a layout/axis bug
+# (a wrong scale swizzle or axis gives O(1) errors; see the CPU mutation test).
+MXFP8_TOL = 3e-2
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss_swiglu", "srelu"])
+@pytest.mark.parametrize("bias,probs", [(False, False), (True, True)])
+@pytest.mark.parametrize("routing", ["balanced", "empty"])
+def test_cudnn_mxfp8_matches_fake_quantized_fp64_and_reference(activation, bias, probs, routing):
+    _require_sm100()
+    from fake_quant_reference import quantized_expert_mlp_fp64
+    from te_fused_moe.recipes import MXFP8BlockScaling
+
+    recipe = MXFP8BlockScaling()
+    p = _problem(activation, bias, probs, routing)
+    dy = torch.randn(p["x"].shape, device="cuda", dtype=torch.bfloat16)
+    y, grads = _run(p, "cudnn", activation, dy, recipe=recipe)
+    y_ref, grads_ref = _run(p, "reference", activation, dy, recipe=recipe)
+    truth = quantized_expert_mlp_fp64(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], recipe, activation,
+                                      b1=p["b1"], b2=p["b2"], probs=p["probs"], dy=dy)
+    assert rel_err(y, truth["y"]) < MXFP8_TOL
+    assert rel_err(y, y_ref) < MXFP8_TOL
+    assert bool((y[-7:] == 0).all())
+    for name in ("x", "w1", "w2", "b1", "b2", "probs"):
+        if grads[name] is None:
+            continue
+        assert torch.isfinite(grads[name]).all(), name
+        assert rel_err(grads[name], truth[name]) < MXFP8_TOL, name
+        assert rel_err(grads[name], grads_ref[name]) < MXFP8_TOL, name
+
+
+def test_cudnn_mxfp8_never_syncs_after_warmup():
+    _require_sm100()
+    p = _problem("swiglu", True, True)
+    dy = torch.randn(p["x"].shape, device="cuda", dtype=torch.bfloat16)
+    _run(p, "cudnn", "swiglu", dy, recipe="mxfp8")  # compiles (and lets cuDNN FE validate offsets) outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(p, "cudnn", "swiglu", dy, recipe="mxfp8")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -76,10 +76,12 @@ class CudnnBackend(Backend):
         if isinstance(recipe, NVFP4BlockScaling):
             return Availability(
                 False,
-                "recipe nvfp4: not driven yet. cuDNN Frontend's kernels take NVFP4 operands, but TE's recipe gives "
-                "every expert its own FP32 tensor scale (per-expert amax, to fold into alpha) and its FC1 epilogue "
-                "emits no NVFP4 activation (no SFD for FP4 inputs), and the FP4 packing/RHT/2D-block glue is not "
-                "written or tested here; use backend='reference' or 'triton'",
+                "recipe nvfp4: not driven yet by this backend. cuDNN Frontend's kernels take NVFP4 operands, but (1) TE "
+                "gives each expert's slice its own FP32 tensor scale, which needs a per-group global amax our NVFP4 "
+                "quantizer does not take (it takes one per tensor); (2) with FP4 inputs the GLU/dGLU epilogues write "
+                "no FP4 output (D must be BF16/FP16/FP32), so the activation and dh need that same per-group "
+                "quantizer; (3) FP4 wgrad operands must be token-innermost copies. 2D weight blocks, RHT and "
+                "stochastic rounding would come from our quantizer. Use backend='reference' or 'triton'",
             )
         if isinstance(recipe, MXFP8BlockScaling):
             if recipe.fp8_format is not Format.E4M3:
