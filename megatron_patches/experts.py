@@ -256,21 +256,41 @@ class FusedExpertsMLP(MegatronModule):
 def counts_on_device(tokens_per_expert, device: torch.device) -> torch.Tensor:
     """``tokens_per_expert`` as an int tensor on ``device``.
 
-    Dispatchers that already synced the counts hand a CPU tensor (or a list); copying it to the GPU
-    with ``non_blocking`` needs no device→host sync. A GPU tensor is used as is.
+    A tensor already on ``device`` is used as is (the sync-free path). Dispatchers that already
+    synced the counts hand them on the host (a CPU tensor or a list): reading host memory makes
+    nothing wait for the GPU, and the device copy for the same values is reused
+    (:data:`_HOST_COUNTS_ON_DEVICE`), so a step whose host counts do not change, such as Megatron's
+    drop-and-pad dispatchers with their fixed capacity, issues no host-to-device copy and can be
+    captured in a CUDA graph.
     """
     if isinstance(tokens_per_expert, torch.Tensor):
         counts = tokens_per_expert
         if counts.dtype not in (torch.int32, torch.int64):
             counts = counts.to(torch.int64)
-        if counts.device != device:
-            counts = counts.to(device, non_blocking=True)
-        return counts
-    if isinstance(tokens_per_expert, (list, tuple)):
-        return torch.tensor(list(tokens_per_expert), dtype=torch.int64).to(device, non_blocking=True)
-    raise TypeError(
-        f"tokens_per_expert: expected a tensor or a list of ints, got {type(tokens_per_expert).__name__}"
-    )
+        if counts.device == device:
+            return counts
+        if counts.device.type != "cpu":
+            return counts.to(device, non_blocking=True)
+        values = tuple(counts.tolist())  # host memory: no device sync
+    elif isinstance(tokens_per_expert, (list, tuple)):
+        values = tuple(int(c) for c in tokens_per_expert)
+    else:
+        raise TypeError(
+            f"tokens_per_expert: expected a tensor or a list of ints, got {type(tokens_per_expert).__name__}"
+        )
+    key = (device, values)
+    cached = _HOST_COUNTS_ON_DEVICE.get(key)
+    if cached is None:
+        cached = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        if len(_HOST_COUNTS_ON_DEVICE) >= _HOST_COUNTS_CACHE_SIZE:
+            _HOST_COUNTS_ON_DEVICE.pop(next(iter(_HOST_COUNTS_ON_DEVICE)))  # oldest first
+        _HOST_COUNTS_ON_DEVICE[key] = cached
+    return cached
+
+
+# (device, counts) -> the device tensor made for them; read-only for every user.
+_HOST_COUNTS_ON_DEVICE: dict = {}
+_HOST_COUNTS_CACHE_SIZE = 16
 
 
 def add_expert_bias(y: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,

@@ -67,11 +67,17 @@ for cfg in $TRAIN_CONFIGS; do
 done
 
 # 3b. GRAPHS=1: whole-step tokens/s of the GPT-OSS proxy (fused) without and with CUDA graphs.
+#     Megatron's alltoall/allgather dispatchers copy the routing counts to the host unless the
+#     shapes are fixed (drop-and-pad), so the graph runs and their eager baseline use
+#     --moe-expert-capacity-factor $CAPACITY; "dropless" is the usual eager run for reference.
+CAPACITY=${CAPACITY:-1.5}
 if [ -n "${GRAPHS:-}" ]; then
-  for mode in none local full_iteration; do
+  for mode in dropless none local full_iteration; do
     mkdir -p "$OUT/graphs"
+    if [ "$mode" = dropless ]; then extra="--cuda-graph none"; else
+      extra="--cuda-graph $mode --moe-expert-capacity-factor $CAPACITY"; fi
     timeout 90 $PY scripts/pretrain_moe.py --config configs/gpt_oss_proxy.yaml --moe-grouped-gemm-impl fused \
-      --train-iters "$ITERS" --device cuda --seed "$SEED" --moe-timing-iters 5 --cuda-graph "$mode" \
+      --train-iters "$ITERS" --device cuda --seed "$SEED" --moe-timing-iters 5 $extra \
       ${LR:+--lr "$LR"} --out "$OUT/graphs/$mode" > "$OUT/graphs/$mode.log" 2>&1
     echo "graphs $mode rc=$? $(grep -E 'wrote|Error' "$OUT/graphs/$mode.log" | tail -1 | cut -c1-220)"
   done
@@ -79,7 +85,7 @@ if [ -n "${GRAPHS:-}" ]; then
 import json, os, sys
 out = sys.argv[1]
 summary = {}
-for mode in ("none", "local", "full_iteration"):
+for mode in ("dropless", "none", "local", "full_iteration"):
     path = os.path.join(out, mode, "log.json")
     if not os.path.exists(path):
         summary[mode] = "missing (see %s.log)" % mode
@@ -89,6 +95,7 @@ for mode in ("none", "local", "full_iteration"):
                      "steady_state_from_step": log.get("steady_state_from_step"),
                      "cuda_graph_config": log.get("cuda_graph_config"),
                      "full_iteration_graph_captured": log.get("full_iteration_graph_captured"),
+                     "moe_expert_capacity_factor": log.get("moe_expert_capacity_factor"),
                      "loss_first": log["steps"][0]["loss"], "loss_last": log["steps"][-1]["loss"],
                      "losses": [s["loss"] for s in log["steps"]]}
 base = summary.get("none")

@@ -61,6 +61,11 @@ def parse_args(argv=None):
     parser.add_argument("--cuda-graph", choices=CUDA_GRAPH_MODES, default="none",
                         help="CUDA graphs (needs CUDA): Megatron's per-layer graphs ('local') or one graph of "
                              "the whole forward+backward ('full_iteration'); default none")
+    parser.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                        help="drop-and-pad MoE: each expert takes capacity-factor x its even share of tokens "
+                             "(moe_pad_expert_input_to_capacity). Megatron's dispatchers read the routing on "
+                             "the host unless the shapes are fixed this way, which whole-step graphs need. "
+                             "Default: dropless")
     add_megatron_args(parser)  # --moe-grouped-gemm-impl, same flag as with Megatron-LM
     return parser.parse_args(argv)
 
@@ -132,6 +137,15 @@ def build_config(model: dict, impl: str, device: torch.device, extra_fields: dic
     fields.update(activation_settings(model.get("activation", "swiglu")))
     fields.update(extra_fields or {})
     return FusedMoETransformerConfig(**fields)
+
+
+def capacity_fields(capacity_factor) -> dict:
+    """Config fields for --moe-expert-capacity-factor (drop-and-pad), none when dropless."""
+    if capacity_factor is None:
+        return {}
+    if not capacity_factor > 0:
+        raise ValueError(f"--moe-expert-capacity-factor: expected a positive number, got {capacity_factor}")
+    return dict(moe_expert_capacity_factor=float(capacity_factor), moe_pad_expert_input_to_capacity=True)
 
 
 def build_model(config, model: dict, device: torch.device):
@@ -342,7 +356,8 @@ def train(args) -> dict:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(args.seed)
-        config = build_config(model, impl, device, graph_fields)
+        config = build_config(model, impl, device,
+                              {**graph_fields, **capacity_fields(getattr(args, "moe_expert_capacity_factor", None))})
         gpt = build_model(config, model, device)
         experts = sorted({type(m.experts).__name__ for m in gpt.modules() if hasattr(m, "experts")})
         backend = resolved_backends(gpt, device, config.params_dtype)
@@ -405,6 +420,7 @@ def train(args) -> dict:
         "tokens_per_s_after_warmup": tokens_per_step * len(steady) / sum(s["step_time_s"] for s in steady),
         "steady_state_from_step": steady_from + 1,
         "cuda_graph": cuda_graph, "cuda_graph_config": {k: str(v) for k, v in graph_fields.items()},
+        "moe_expert_capacity_factor": getattr(args, "moe_expert_capacity_factor", None),
         "full_iteration_graph_captured": bool(getattr(forward_backward, "captured", False)),
         "moe_layer_timing": moe_timing,
     }

@@ -103,3 +103,14 @@ def test_steady_state_leaves_out_capture_steps(launcher):
     assert launcher.steady_state_start("none", config) == 2
     assert launcher.steady_state_start("full_iteration", config) == 2 + launcher.FULL_ITERATION_WARMUP_STEPS
     assert launcher.steady_state_start("local", config) == 2 + config.cuda_graph_warmup_steps
+
+
+def test_capacity_factor_flag(launcher):
+    args = launcher.parse_args(["--config", CONFIG, "--moe-expert-capacity-factor", "1.25"])
+    fields = launcher.capacity_fields(args.moe_expert_capacity_factor)
+    assert fields == {"moe_expert_capacity_factor": 1.25, "moe_pad_expert_input_to_capacity": True}
+    config = make_config("fused", **fields)  # Megatron accepts the pair with the alltoall dispatcher
+    assert config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor == 1.25
+    assert launcher.capacity_fields(None) == {}
+    with pytest.raises(ValueError, match="--moe-expert-capacity-factor: expected a positive number"):
+        launcher.capacity_fields(0.0)

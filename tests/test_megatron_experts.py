@@ -211,3 +211,47 @@ def test_swap_and_unswap_keep_weights():
     assert rel_err(y_back, y_trained) < TOL and rel_err(y_back, y_before) > 1e-3
     with pytest.raises(ValueError, match="impl"):
         swap_megatron_experts(layer, impl="sequential")
+
+
+def test_host_counts_get_one_reused_device_copy():
+    """Counts handed on the host are copied to the device once per distinct value (no copy, so
+    capturable, while they stay the same); counts already on the device are used as they are."""
+    from megatron_patches.experts import counts_on_device
+
+    meta = torch.device("meta")  # stands in for the GPU: a device other than the host's
+    first = counts_on_device(torch.tensor([3, 0, 5]), meta)
+    assert first.device == meta and first.dtype == torch.int64 and first.shape == (3,)
+    assert counts_on_device(torch.tensor([3, 0, 5], dtype=torch.int32), meta) is first
+    assert counts_on_device([3, 0, 5], meta) is first
+    assert counts_on_device([3, 1, 5], meta) is not first
+    on_host = torch.tensor([2, 2], dtype=torch.int32)
+    assert counts_on_device(on_host, torch.device("cpu")) is on_host
+    listed = counts_on_device([4, 1], torch.device("cpu"))
+    assert listed.tolist() == [4, 1] and counts_on_device((4, 1), torch.device("cpu")) is listed
+
+
+def test_inside_moe_layer_drop_and_pad():
+    """Megatron's drop-and-pad dispatch (fixed capacity per expert, padding rows with prob 0, the
+    dispatcher's static-shape mode) gives the same layer as SequentialMLP."""
+    torch.manual_seed(torch.randint(1 << 30, (1,)).item())
+    extra = dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    layer_s = build_moe_layer(make_config("sequential", **extra))
+    layer_f = build_moe_layer(make_config("fused-reference", **extra))
+    layer_f.router.load_state_dict(layer_s.router.state_dict())
+    copy_expert_weights(layer_s.experts, layer_f.experts)
+    seen = []
+    layer_f.experts.register_forward_hook(lambda m, inputs, out: seen.append(inputs[1].clone()))
+    x = torch.randn(8, 2, 16)
+    dy = torch.randn(8, 2, 16)
+    results = []
+    for layer in (layer_s, layer_f):
+        xi = x.clone().requires_grad_(True)
+        out, _ = layer(xi)
+        out.backward(dy)
+        results.append((out.detach(), xi.grad, expert_grads(layer.experts)))
+    (y_s, dx_s, gw_s), (y_f, dx_f, gw_f) = results
+    capacity = seen[0]
+    assert torch.all(capacity == capacity[0]) and int(capacity[0]) > 0  # every expert gets the capacity
+    assert rel_err(y_f, y_s) < TOL and rel_err(dx_f, dx_s) < TOL
+    for key in gw_s:
+        assert rel_err(gw_f[key], gw_s[key]) < TOL or gw_s[key].abs().sum() == 0, key

@@ -53,3 +53,17 @@ def test_bad_impl_is_refused_by_the_flag(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "--config", CONFIG, "--moe-grouped-gemm-impl", "fastest"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0 and "--moe-grouped-gemm-impl" in proc.stderr and "invalid choice" in proc.stderr
+
+
+def test_drop_and_pad_capacity_trains_like_sequential(tmp_path):
+    """--moe-expert-capacity-factor (the fixed-shape dispatch whole-step CUDA graphs need): the fused
+    experts and SequentialMLP give the same losses, which differ from the dropless run's."""
+    extra = ("--moe-expert-capacity-factor", "0.5")  # small: many tokens dropped, so it shows
+    fused, _ = _run("fused", 3, tmp_path / "fused", extra)
+    sequential, _ = _run("sequential", 3, tmp_path / "sequential", extra)
+    dropless, _ = _run("fused", 3, tmp_path / "dropless")
+    assert fused["moe_expert_capacity_factor"] == 0.5 and dropless["moe_expert_capacity_factor"] is None
+    assert fused["cuda_graph"] == "none" and not fused["full_iteration_graph_captured"]
+    for a, b in zip(fused["steps"], sequential["steps"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
+    assert abs(fused["steps"][-1]["loss"] - dropless["steps"][-1]["loss"]) > 1e-4
