@@ -4,8 +4,10 @@ Use it on a model that was built without :func:`megatron_patches.install`, e.g. 
 implementations on one set of weights. Swap before wrapping the model in DDP and before
 building the optimizer: the swapped module has new parameter tensors.
 
-Handled: ``SequentialMLP`` and ``TEGroupedMLP`` (not the legacy ``GroupedMLP``, whose weights are
-stored transposed and merged across experts).
+Handled: ``SequentialMLP``, ``TEGroupedMLP`` and, where megatron-core still has it (0.16), the
+legacy ``GroupedMLP``, whose weights are two merged tensors that its forward reads as
+``weight1.view(E, H, N1)`` and ``weight2.view(E, F, H)`` (each expert's matrices transposed
+relative to ours); its per-expert tensors here are views of those, so unswapping writes into them.
 """
 
 from __future__ import annotations
@@ -47,11 +49,29 @@ class SwapReport:
 def _swappable_classes() -> Tuple[type, ...]:
     from megatron.core.transformer.moe import experts
 
-    return tuple(getattr(experts, name) for name in ("SequentialMLP", "TEGroupedMLP") if hasattr(experts, name))
+    names = ("SequentialMLP", "TEGroupedMLP", "GroupedMLP")
+    return tuple(getattr(experts, name) for name in names if hasattr(experts, name))
+
+
+def _is_legacy_grouped(module) -> bool:
+    return hasattr(module, "weight1") and hasattr(module, "weight2") and not hasattr(module, "linear_fc1")
+
+
+def _legacy_expert_tensors(module) -> Iterator[Tuple[int, str, str, torch.Tensor]]:
+    """GroupedMLP's experts as views shaped like ours: fc1 ``[N1, H]``, fc2 ``[H, F]``."""
+    experts, hidden = module.num_local_experts, module.config.hidden_size
+    fc1 = module.weight1.view(experts, hidden, -1)
+    fc2 = module.weight2.view(experts, -1, hidden)
+    for i in range(experts):
+        yield i, "linear_fc1", "weight", fc1[i].t()
+        yield i, "linear_fc2", "weight", fc2[i].t()
 
 
 def _expert_tensors(module) -> Iterator[Tuple[int, str, str, torch.Tensor]]:
     """(expert index, 'linear_fc1'/'linear_fc2', 'weight'/'bias', tensor) of a Megatron expert block."""
+    if _is_legacy_grouped(module):
+        yield from _legacy_expert_tensors(module)
+        return
     for i in range(module.num_local_experts):
         for linear in ("linear_fc1", "linear_fc2"):
             for kind in ("weight", "bias"):
@@ -78,6 +98,8 @@ def _fused_from(module, impl: str):
     config = copy.copy(module.config)
     setattr(config, FIELD, impl)
     config.moe_grouped_gemm = True
+    if getattr(config, "moe_use_legacy_grouped_gemm", False):
+        config.moe_use_legacy_grouped_gemm = False  # the flag that selected GroupedMLP
     config.perform_initialization = False
     if getattr(config, "moe_ffn_hidden_size", None) is None:
         config.moe_ffn_hidden_size = config.ffn_hidden_size
@@ -103,7 +125,7 @@ def _named_children_of(model):
 
 
 def swap_megatron_experts(model: torch.nn.Module, impl: str = "fused") -> SwapReport:
-    """Replace every ``SequentialMLP``/``TEGroupedMLP`` in ``model`` by a ``FusedExpertsMLP`` with the
+    """Replace every ``SequentialMLP``/``TEGroupedMLP``/``GroupedMLP`` in ``model`` by a ``FusedExpertsMLP`` with the
     same weights (``impl`` picks the backend: ``fused``, ``fused-triton``, ...)."""
     if not is_fused_impl(impl):
         raise ValueError(f"impl: expected one of 'fused', 'fused-triton', 'fused-cudnn', 'fused-reference', got {impl!r}")
