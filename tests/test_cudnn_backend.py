@@ -442,6 +442,40 @@ def _write_atoms(codes):
     return flat.view(batch, rt, ct, 32, 4, 4).view(torch.float8_e8m0fnu)
 
 
+def _read_atom_view(view, batch, rows, cols):
+    """Scale codes from the older wrappers' ``(32, 4, MN/128, 4, K/4, L)`` view: element (l, r, c)
+    at ``[r % 32, (r // 32) % 4, r // 128, c % 4, c // 4, l]`` (its documented mode order)."""
+    assert view.dim() == 6 and tuple(view.shape[:2]) == (32, 4) and view.shape[3] == 4 and view.shape[5] == batch
+    codes = view.view(torch.uint8) if view.dtype != torch.uint8 else view
+    l, r, c = torch.meshgrid(torch.arange(batch), torch.arange(rows), torch.arange(cols), indexing="ij")
+    return codes[r % 32, (r // 32) % 4, r // 128, c % 4, c // 4, l]
+
+
+def _write_atom_view(codes):
+    """[1, rows, cols] codes -> a fresh ``(32, 4, MN/128, 4, K/4, 1)`` view, written by the same rule."""
+    _, rows, cols = codes.shape
+    view = torch.zeros(32, 4, -(-rows // 128), 4, -(-cols // 4), 1, dtype=torch.uint8)
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    view[r % 32, (r // 32) % 4, r // 128, c % 4, c // 4, 0] = codes[0]
+    return view.view(torch.float8_e8m0fnu)
+
+
+def _from_legacy_rows(t):
+    assert t.dim() == 3 and t.shape[2] == 1 and t.stride()[:2] == (t.shape[1], 1), (t.shape, t.stride())
+    return t[:, :, 0]
+
+
+def _from_legacy_weights(b):
+    n, k, l = b.shape
+    assert b.stride() == (k, 1, n * k), b.stride()  # K-major (N, K, L)
+    return b.permute(2, 0, 1)
+
+
+def _from_legacy_vector(v):
+    assert v.dim() == 3 and tuple(v.shape[1:]) == (1, 1) and v.stride(0) == 1
+    return v[:, 0, 0]  # a view: in-place updates reach the caller's buffer
+
+
 def _mx_dequant(data, atoms, along_rows=False):
     """FP64 values of an MXFP8 operand: ``data [..., R, C]`` E4M3 with one E8M0 scale per 32 along C
     (or along R for ``along_rows``, scales stored as the transposed logical matrix)."""
@@ -451,7 +485,8 @@ def _mx_dequant(data, atoms, along_rows=False):
     if along_rows:
         vals = vals.transpose(1, 2)
     batch, rows, cols = vals.shape
-    codes = _read_atoms(atoms, batch, rows, cols // 32).to(torch.float64)
+    read = _read_atoms if atoms.dim() == 6 and tuple(atoms.shape[3:]) == (32, 4, 4) else _read_atom_view
+    codes = read(atoms, batch, rows, cols // 32).to(torch.float64)
     # Code 255 (E8M0 NaN, the emulator's poison for unwritten scales) dequantizes to NaN, so a group
     # row that reads one poisons the result.
     scales = torch.where(codes == E8M0_NAN, float("nan"), torch.exp2(codes - 127)).repeat_interleave(32, dim=2)
@@ -480,7 +515,7 @@ class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
     d_row, d_col) are quantized by the documented epilogue rule with norm_const = 1; rows outside
     every group are NaN and their scales the E8M0 NaN code."""
 
-    def _quantized_outputs(self, values, offsets, prefix):
+    def _quantized_outputs(self, values, offsets, prefix, legacy=False):
         m, n = values.shape
         row = torch.full((m, n), float("nan"), dtype=torch.float64).to(torch.float8_e4m3fn)
         col = row.clone()
@@ -491,14 +526,21 @@ class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
                 continue
             row[s:e], sf_row[s:e] = _mx_quantize_doc(values[s:e])
             col[s:e], sf_col[:, s // 32:e // 32] = _mx_quantize_doc(values[s:e], along_rows=True)
-        return {f"{prefix}_tensor": row, f"{prefix}_col_tensor" if prefix == "d" else "d_col_tensor": col,
-                "sfd_row_tensor": _write_atoms(sf_row[None]), "sfd_col_tensor": _write_atoms(sf_col[None])}
+        write = _write_atom_view if legacy else _write_atoms  # the older wrappers return the atom view
+        if legacy:
+            row, col = row.unsqueeze(-1), col.unsqueeze(-1)
+        return {f"{prefix}_tensor": row, "d_col_tensor": col,
+                "sfd_row_tensor": write(sf_row[None]), "sfd_col_tensor": write(sf_col[None])}
 
     def _fc1(self, kind, a_tensor, sfa_tensor, padded_offsets, alpha_tensor, b_tensor, sfb_tensor, bias_tensor,
              prob_tensor, norm_const_tensor, c_dtype, d_dtype, sf_vec_size, m_aligned, act=None, linear_offset=None):
         self.calls.append(kind)
         assert sf_vec_size == 32 and m_aligned == 256 and d_dtype == torch.float8_e4m3fn
         assert norm_const_tensor.tolist() == [1.0] and padded_offsets.dtype == torch.int32
+        legacy = kind == "srelu"  # grouped_gemm_srelu takes (M, K, 1) A, (N, K, L) B, (M, 1, 1) prob
+        if legacy:
+            a_tensor, b_tensor = _from_legacy_rows(a_tensor), _from_legacy_weights(b_tensor)
+            prob_tensor = _from_legacy_vector(prob_tensor)
         a, b = _mx_dequant(a_tensor, sfa_tensor), _mx_dequant(b_tensor, sfb_tensor)
         m, n = a.shape[0], b.shape[1]
         c = self._nan(m, n, c_dtype)
@@ -510,7 +552,9 @@ class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
             c[s:e] = acc
             act_out = _documented_glu(acc, act, linear_offset) if kind == "glu" else torch.relu(acc) ** 2
             d[s:e] = prob_tensor[s:e, None] * act_out
-        return dict(c_tensor=c, **self._quantized_outputs(d, padded_offsets, "d"))
+        if legacy:
+            c = c.unsqueeze(-1)
+        return dict(c_tensor=c, **self._quantized_outputs(d, padded_offsets, "d", legacy))
 
     def grouped_gemm_glu_wrapper_sm100(self, *, act_func, linear_offset, generate_c, **kw):
         if kw["sfa_tensor"] is None:
@@ -539,6 +583,11 @@ class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
         self.calls.append(kind)
         assert bool((dprob_tensor == 0).all()), "dprob must be zero-initialised"
         assert sf_vec_size == 32 and d_dtype == torch.float8_e4m3fn and norm_const_tensor.tolist() == [1.0]
+        legacy = kind == "dsrelu"
+        if legacy:
+            a_tensor, b_tensor, c_tensor = (_from_legacy_rows(a_tensor), _from_legacy_weights(b_tensor),
+                                            _from_legacy_rows(c_tensor))
+            prob_tensor, dprob_tensor = _from_legacy_vector(prob_tensor), _from_legacy_vector(dprob_tensor)
         a, b = _mx_dequant(a_tensor, sfa_tensor), _mx_dequant(b_tensor, sfb_tensor)
         m, n = c_tensor.shape
         dh = self._nan(m, n, torch.float64)
@@ -553,8 +602,9 @@ class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
             dprob_tensor[s:e] += dprob
             if generate_dbias:
                 dbias[g, :, 0] = dh[s:e].sum(dim=0)
-        out = self._quantized_outputs(dh, padded_offsets, "d_row")
-        return dict(out, dprob_tensor=dprob_tensor, dbias_tensor=dbias)
+        out = self._quantized_outputs(dh, padded_offsets, "d_row", legacy)
+        return dict(out, dprob_tensor=dprob_tensor.reshape(-1, 1, 1) if legacy else dprob_tensor,
+                    dbias_tensor=dbias)
 
     def grouped_gemm_dglu_wrapper_sm100(self, **kw):
         if kw["sfa_tensor"] is None:

@@ -32,6 +32,11 @@ import torch
 from ...quantize import mxfp8
 from .layouts import (
     GROUP_ALIGN,
+    atom_view,
+    atoms_from_view,
+    legacy_rows,
+    legacy_vector,
+    legacy_weights,
     deinterleave_glu,
     gather_from_padded,
     interleave_glu,
@@ -91,19 +96,23 @@ class CudnnMXFP8ExpertMLP(torch.autograd.Function):
             bias1 = (interleave_glu(b1, dim=1) if gated else b1).t()  # (N1, L), stride (1, N1)
         xq, sfx = mx_rowwise(x_pad)
         w1q, sfw1 = mx_rowwise(w1_k)
-        common = dict(
-            a_tensor=xq, sfa_tensor=sfx, padded_offsets=offsets, alpha_tensor=ones, b_tensor=w1q, sfb_tensor=sfw1,
-            bias_tensor=bias1, prob_tensor=prob_pad, norm_const_tensor=norm_const, c_dtype=x.dtype,
-            d_dtype=torch.float8_e4m3fn, sf_vec_size=MX_BLOCK, m_aligned=GROUP_ALIGN,
+        fc1_args = dict(
+            padded_offsets=offsets, alpha_tensor=ones, bias_tensor=bias1, norm_const_tensor=norm_const,
+            c_dtype=x.dtype, d_dtype=torch.float8_e4m3fn, sf_vec_size=MX_BLOCK, m_aligned=GROUP_ALIGN,
         )
         if gated:
             fc1 = fe.grouped_gemm_glu_wrapper_sm100(
-                **common, act_func=GLU_FORWARD[act_name], linear_offset=LINEAR_OFFSET[act_name], generate_c=True)
-        else:
-            fc1 = fe.grouped_gemm_srelu_wrapper_sm100(**common)
+                a_tensor=xq, sfa_tensor=sfx, b_tensor=w1q, sfb_tensor=sfw1, prob_tensor=prob_pad, **fc1_args,
+                act_func=GLU_FORWARD[act_name], linear_offset=LINEAR_OFFSET[act_name], generate_c=True)
+            sf_act_row, sf_act_col = fc1["sfd_row_tensor"], fc1["sfd_col_tensor"]
+        else:  # the sReLU wrapper takes only the older operand views (layouts.legacy_*)
+            fc1 = fe.grouped_gemm_srelu_wrapper_sm100(
+                a_tensor=legacy_rows(xq), sfa_tensor=atom_view(sfx), b_tensor=legacy_weights(w1q),
+                sfb_tensor=atom_view(sfw1), prob_tensor=legacy_vector(prob_pad), **fc1_args)
+            sf_act_row, sf_act_col = atoms_from_view(fc1["sfd_row_tensor"]), atoms_from_view(fc1["sfd_col_tensor"])
         pre_act = _two_d(fc1["c_tensor"], rows)  # [M, N1], bias included
-        act_row, sf_act_row = _two_d(fc1["d_tensor"], rows), fc1["sfd_row_tensor"]  # FC2 fprop: along F
-        act_col, sf_act_col = _two_d(fc1["d_col_tensor"], rows), fc1["sfd_col_tensor"]  # FC2 wgrad: along tokens
+        act_row = _two_d(fc1["d_tensor"], rows)  # quantized along F: FC2 fprop
+        act_col = _two_d(fc1["d_col_tensor"], rows)  # quantized along tokens: FC2 wgrad
 
         w2q, sfw2 = mx_rowwise(w2)  # B (N=H, K=F) per expert, along F
         fc2 = fe.grouped_gemm_quant_wrapper_sm100(
@@ -138,20 +147,25 @@ class CudnnMXFP8ExpertMLP(torch.autograd.Function):
         dyq, sfdy = mx_rowwise(dy_pad)
         w2tq, sfw2t = mx_rowwise(w2.transpose(1, 2))  # B = W2^T per expert, (N=F, K=H)
         dprob_pad = torch.zeros(rows, dtype=torch.float32, device=device)  # the kernel accumulates into it
-        common = dict(
-            a_tensor=dyq, c_tensor=pre_act, sfa_tensor=sfdy, padded_offsets=offsets, alpha_tensor=ones,
-            prob_tensor=prob_pad, dprob_tensor=dprob_pad, b_tensor=w2tq, sfb_tensor=sfw2t,
-            generate_dbias=has_b1 and need[4], norm_const_tensor=norm_const, d_dtype=torch.float8_e4m3fn,
-            sf_vec_size=MX_BLOCK, m_aligned=GROUP_ALIGN,
-            deterministic=deterministic,  # block-scaled dprob/dbias have a fixed-order mode
+        dact_args = dict(
+            padded_offsets=offsets, alpha_tensor=ones, generate_dbias=has_b1 and need[4],
+            norm_const_tensor=norm_const, d_dtype=torch.float8_e4m3fn, sf_vec_size=MX_BLOCK, m_aligned=GROUP_ALIGN,
+            deterministic=deterministic,  # block-scaled dprob (and dsReLU's dbias) have a fixed-order mode
         )
         if gated:
             dact = fe.grouped_gemm_dglu_wrapper_sm100(
-                **common, beta_tensor=ones, act_func=GLU_BACKWARD[act_name], linear_offset=LINEAR_OFFSET[act_name])
+                a_tensor=dyq, c_tensor=pre_act, sfa_tensor=sfdy, b_tensor=w2tq, sfb_tensor=sfw2t,
+                prob_tensor=prob_pad, dprob_tensor=dprob_pad, **dact_args, beta_tensor=ones,
+                act_func=GLU_BACKWARD[act_name], linear_offset=LINEAR_OFFSET[act_name])
+            sf_dh_row, sf_dh_col = dact["sfd_row_tensor"], dact["sfd_col_tensor"]
         else:
-            dact = fe.grouped_gemm_dsrelu_wrapper_sm100(**common)
-        dh_row, sf_dh_row = _two_d(dact["d_row_tensor"], rows), dact["sfd_row_tensor"]  # FC1 dgrad: along N1
-        dh_col, sf_dh_col = _two_d(dact["d_col_tensor"], rows), dact["sfd_col_tensor"]  # FC1 wgrad: along tokens
+            dact = fe.grouped_gemm_dsrelu_wrapper_sm100(
+                a_tensor=legacy_rows(dyq), c_tensor=legacy_rows(pre_act), sfa_tensor=atom_view(sfdy),
+                b_tensor=legacy_weights(w2tq), sfb_tensor=atom_view(sfw2t), prob_tensor=legacy_vector(prob_pad),
+                dprob_tensor=legacy_vector(dprob_pad), **dact_args)
+            sf_dh_row, sf_dh_col = atoms_from_view(dact["sfd_row_tensor"]), atoms_from_view(dact["sfd_col_tensor"])
+        dh_row = _two_d(dact["d_row_tensor"], rows)  # quantized along N1: FC1 dgrad
+        dh_col = _two_d(dact["d_col_tensor"], rows)  # quantized along tokens: FC1 wgrad
 
         dx = dw1 = dw2 = db1 = db2 = dprobs = None
         if need[0]:

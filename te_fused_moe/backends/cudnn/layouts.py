@@ -170,6 +170,42 @@ def unswizzle_scales(atoms: torch.Tensor, rows: int, sf_cols: int) -> torch.Tens
     return logical[:, :rows, :sf_cols]
 
 
+# --------------------------------------------------------------------------- legacy (pre-canonical) views
+
+# cuDNN FE 1.32's squared-ReLU wrappers (srelu/dsrelu) take only the older operand forms; the GLU,
+# dGLU, quant and wgrad wrappers also take the plain 2-D / (E, N, K) / flat-atom forms used elsewhere.
+ATOM_VIEW_ORDER = (3, 4, 1, 5, 2, 0)  # (L, MN', K', 32, 4, 4) -> (32, 4, MN', 4, K', L)
+ATOM_BUFFER_ORDER = (5, 2, 4, 0, 1, 3)  # its inverse
+
+
+def legacy_rows(t: torch.Tensor) -> torch.Tensor:
+    """Row-major ``[M, K]`` -> the ``(M, K, 1)`` view with stride ``(K, 1, M*K)`` (same memory)."""
+    rows, cols = t.shape
+    return t.contiguous().as_strided((rows, cols, 1), (cols, 1, rows * cols))
+
+
+def legacy_vector(v: torch.Tensor) -> torch.Tensor:
+    """``[M]`` -> the ``(M, 1, 1)`` view with stride ``(1, M, M)`` (prob / dprob)."""
+    rows = v.shape[0]
+    return v.contiguous().as_strided((rows, 1, 1), (1, rows, rows))
+
+
+def legacy_weights(w: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K]`` -> the K-major ``(N, K, E)`` view with stride ``(K, 1, N*K)``."""
+    return w.contiguous().permute(1, 2, 0)
+
+
+def atom_view(atoms: torch.Tensor) -> torch.Tensor:
+    """Atom buffer ``(L, MN', K', 32, 4, 4)`` -> the ``(32, 4, MN', 4, K', L)`` view the older
+    wrappers check (a permutation of the same C-contiguous memory)."""
+    return atoms.permute(*ATOM_VIEW_ORDER)
+
+
+def atoms_from_view(view: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`atom_view` (contiguous again when ``view`` came from one buffer)."""
+    return view.permute(*ATOM_BUFFER_ORDER).contiguous()
+
+
 def _padded_like(t: torch.Tensor, shape, fill) -> torch.Tensor:
     if fill is None:
         if t.dtype.itemsize == 1 and not t.is_floating_point():
@@ -194,4 +230,9 @@ __all__ = [
     "swizzled_scale_shape",
     "swizzle_scales",
     "unswizzle_scales",
+    "legacy_rows",
+    "legacy_vector",
+    "legacy_weights",
+    "atom_view",
+    "atoms_from_view",
 ]
