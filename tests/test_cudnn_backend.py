@@ -716,3 +716,16 @@ def test_mxfp8_refusals_name_the_kernel_limit():
                          activation=ActivationConfig("swiglu"), recipe=MXFP8BlockScaling())
     with pytest.raises(ValueError, match="multiple of 32"):
         kernels.run_expert_mlp(DocumentedBlockScaledEmulator(), args)
+
+
+def test_documented_epilogue_rule_is_our_mxfp8_quantizer():
+    """The emulator's epilogue rule (scale 2^ceil(log2(amax/448)), RNE E4M3) gives exactly our
+    TE-rule quantizer's bytes, including blocks whose amax/448 is an exact power of two."""
+    v = torch.randn(64, 96, generator=GEN) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=GEN).float())
+    v[3, :32] = 448.0 * 2.0 ** -3  # amax/448 exactly a power of two
+    v[5, 32:64] = 0.0  # all-zero block
+    for along_rows in (False, True):
+        data, codes = _mx_quantize_doc(v.double(), along_rows=along_rows)
+        q = mxfp8.quantize(v, axis=0 if along_rows else 1)
+        assert torch.equal(data.view(torch.uint8), q.data.view(torch.uint8))
+        assert torch.equal(codes, q.scale.t() if along_rows else q.scale)

@@ -1,4 +1,5 @@
-"""The BF16 expert MLP on cuDNN Frontend's SM100 fused grouped GEMM kernels, forward and backward.
+"""The BF16 expert MLP on cuDNN Frontend's SM100 fused grouped GEMM kernels, forward and backward,
+and the entry point that also dispatches MXFP8 runs to :mod:`.blockscaled`.
 
     forward:  x_pad ─► GLU kernel (FC1 + b1 + GLU + prob; keeps the pre-activation C) ─► a
               a     ─► grouped GEMM (FC2 + b2) ─► y_pad
