@@ -10,7 +10,8 @@ and 0.19 have the same fields and values):
     neither                                      → BF16Recipe()
 
 These are the TE recipes Megatron's ``get_fp8_recipe``/``get_fp4_recipe`` build for those values,
-with TE's defaults. ``delayed``, ``tensorwise`` and ``custom`` raise ``ValueError``.
+with TE's defaults. ``delayed``, ``tensorwise`` and ``custom`` raise ``ValueError``, and so does
+``first_last_layers_bf16`` with a quantized recipe (the experts do not know their layer number).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def recipe_from_config(config: Any) -> Recipe:
     fp4 = getattr(config, "fp4", None)
     if fp8 and fp4:
         raise ValueError("fp8 and fp4: the fused experts take one recipe; expected only one of them set")
+    if (fp8 or fp4) and getattr(config, "first_last_layers_bf16", False):
+        # Megatron keeps those layers out of TE's autocast; the experts do not know their layer.
+        raise ValueError(
+            "first_last_layers_bf16=True is not supported by the fused experts with fp8/fp4 (they would "
+            "quantize the BF16 layers too); expected first_last_layers_bf16=False"
+        )
     if fp8:
         recipe = _name(getattr(config, "fp8_recipe", "delayed"))
         if recipe == "mxfp8":

@@ -141,3 +141,23 @@ def test_router_padding_for_quantization(name, align):
         g_pad = getattr(padded_layer.experts, param).weight.grad
         g_plain = getattr(plain_layer.experts, param).weight.grad
         assert rel_err(g_pad, g_plain) < 0.15, param
+
+
+def test_unsupported_quantization_settings_are_refused():
+    from types import SimpleNamespace
+
+    from megatron_patches.recipe import recipe_from_config
+
+    with pytest.raises(ValueError, match="fp8='e5m2': expected 'e4m3' or 'hybrid'"):
+        recipe_from_config(SimpleNamespace(fp8="e5m2", fp8_recipe="mxfp8", fp4=None))
+    with pytest.raises(ValueError, match="fp8_recipe='tensorwise' is not implemented"):
+        recipe_from_config(SimpleNamespace(fp8="e4m3", fp8_recipe="tensorwise", fp4=None))
+    with pytest.raises(ValueError, match="first_last_layers_bf16=True is not supported"):
+        recipe_from_config(SimpleNamespace(fp8="e4m3", fp8_recipe="mxfp8", fp4=None, first_last_layers_bf16=True))
+    # without quantization the flag changes nothing for the experts
+    assert recipe_from_config(SimpleNamespace(fp8=None, fp4=None, first_last_layers_bf16=True)).name == "bf16"
+    # and the expert class refuses at build time, naming the field
+    config = _config(dict(fp8="e4m3", fp8_recipe="blockwise"))
+    config.first_last_layers_bf16 = True
+    with pytest.raises(ValueError, match="first_last_layers_bf16"):
+        build_moe_layer(config)
