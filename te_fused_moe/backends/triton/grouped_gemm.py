@@ -99,7 +99,7 @@ def grouped_gemm_kernel(
     sched_ptr,
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -233,7 +233,7 @@ def grouped_gemm_kernel(
         else:
             part = _dact_epilogue(acc, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm,
                                   c_up_offset, alpha, limit, ACT, GATED, UPCAST)
-        if HAS_PROBS:
+        if WRITE_DPROB:  # probs may scale the activation without needing a gradient
             if DPROB_PARTIALS:
                 tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
             else:
@@ -328,7 +328,7 @@ def launch(
         schedule,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_groups,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
-        HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
+        HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, N_VEC8=n % 8 == 0, USE_TMA=use_tma,
         B_KMAJOR=b_kmajor, SPLIT_EPILOGUE=mode == MODE_ACT_BWD and cfg.block_n >= 32, UPCAST=interpreting(),
