@@ -136,3 +136,14 @@ def expert_grads(module) -> dict:
                     for i in range(module.num_local_experts):
                         out[(lin, kind, i)] = p.grad[i]
     return out
+
+
+def moe_layer_step(layer, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """One forward+backward of a ``MoELayer`` on a copy of ``x``: output, input gradient, router
+    weight gradient and the experts' parameter gradients (for comparing two implementations)."""
+    xi = x.clone().requires_grad_(True)
+    out, _ = layer(xi)
+    out.backward(dy)
+    router_grad = layer.router.weight.grad
+    return {"y": out.detach(), "dx": xi.grad, "router": None if router_grad is None else router_grad.clone(),
+            "experts": expert_grads(layer.experts)}

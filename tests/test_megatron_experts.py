@@ -14,6 +14,7 @@ from megatron_testing import (  # noqa: E402
     expert_grads,
     init_model_parallel,
     make_config,
+    moe_layer_step,
 )
 from moe_reference import activation_fp64, rel_err  # noqa: E402
 
@@ -138,13 +139,8 @@ def test_inside_moe_layer(dispatcher):
 
     x = torch.randn(6, 3, 16)  # [sequence, batch, hidden]
     dy = torch.randn(6, 3, 16)
-    results = []
-    for layer in (layer_s, layer_f):
-        xi = x.clone().requires_grad_(True)
-        out, _ = layer(xi)
-        out.backward(dy)
-        results.append((out.detach(), xi.grad, layer.router.weight.grad.clone(), expert_grads(layer.experts)))
-    (y_s, dx_s, dr_s, gw_s), (y_f, dx_f, dr_f, gw_f) = results
+    s, f = moe_layer_step(layer_s, x, dy), moe_layer_step(layer_f, x, dy)
+    (y_s, dx_s, dr_s, gw_s), (y_f, dx_f, dr_f, gw_f) = (tuple(r.values()) for r in (s, f))
     assert rel_err(y_f, y_s) < TOL
     assert rel_err(dx_f, dx_s) < TOL
     assert rel_err(dr_f, dr_s) < TOL  # router gradient flows through the probs
@@ -243,13 +239,8 @@ def test_inside_moe_layer_drop_and_pad():
     layer_f.experts.register_forward_hook(lambda m, inputs, out: seen.append(inputs[1].clone()))
     x = torch.randn(8, 2, 16)
     dy = torch.randn(8, 2, 16)
-    results = []
-    for layer in (layer_s, layer_f):
-        xi = x.clone().requires_grad_(True)
-        out, _ = layer(xi)
-        out.backward(dy)
-        results.append((out.detach(), xi.grad, expert_grads(layer.experts)))
-    (y_s, dx_s, gw_s), (y_f, dx_f, gw_f) = results
+    s, f = moe_layer_step(layer_s, x, dy), moe_layer_step(layer_f, x, dy)
+    (y_s, dx_s, gw_s), (y_f, dx_f, gw_f) = ((r["y"], r["dx"], r["experts"]) for r in (s, f))
     capacity = seen[0]
     assert torch.all(capacity == capacity[0]) and int(capacity[0]) > 0  # every expert gets the capacity
     assert rel_err(y_f, y_s) < TOL and rel_err(dx_f, dx_s) < TOL
