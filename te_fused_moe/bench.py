@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 from typing import Callable, Dict, List, Optional

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_testing import build_experts, copy_expert_weights, init_model_parallel, make_config  # noqa: E402
+from megatron_testing import build_experts, init_model_parallel, make_config  # noqa: E402
 
 PREFIX = "decoder.layers.0.mlp.experts."
 LAYER_OFFSETS = ((0, 0, 2),)  # as a TransformerBlock passes for layer 0 of 2 (layout checks)
