@@ -246,3 +246,25 @@ def test_inside_moe_layer_drop_and_pad():
     assert rel_err(y_f, y_s) < TOL and rel_err(dx_f, dx_s) < TOL
     for key in gw_s:
         assert rel_err(gw_f[key], gw_s[key]) < TOL or gw_s[key].abs().sum() == 0, key
+
+
+@pytest.mark.parametrize("deterministic_mode", [False, True])
+def test_deterministic_mode_reaches_the_op(monkeypatch, deterministic_mode):
+    """Megatron's ``--deterministic-mode`` (``config.deterministic_mode``) turns on the op's ordered
+    reductions (``deterministic=True``), and only it does."""
+    from megatron_patches import experts as experts_module
+
+    seen = []
+    real_op = experts_module.fused_moe_mlp
+
+    def recording_op(*args, **kwargs):
+        seen.append(kwargs["deterministic"])
+        return real_op(*args, **kwargs)
+
+    monkeypatch.setattr(experts_module, "fused_moe_mlp", recording_op)
+    fused = build_experts(make_config("fused-reference", deterministic_mode=deterministic_mode), 4)
+    x = torch.randn(10, 16)
+    counts = torch.tensor([3, 0, 5, 2])
+    y, _ = fused(x, counts, torch.rand(10))
+    assert seen == [deterministic_mode]
+    assert y.shape == x.shape and torch.isfinite(y).all()
