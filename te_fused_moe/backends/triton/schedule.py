@@ -29,9 +29,10 @@ def build_schedule(tokens_per_expert: torch.Tensor, num_rows: int, block_m: int)
     group, then the group of each M tile (``E + 1`` for tiles past the last one).
 
     Row ranges are clamped to ``[0, num_rows]`` so that a bad ``tokens_per_expert`` (summing to more
-    than ``T``; caught only in debug mode) cannot make a kernel write out of bounds.
+    than ``T``, or holding negative counts; caught only in debug mode) cannot make a kernel write out
+    of bounds: negative counts count as zero, so the ranges stay ordered and inside the tensor.
     """
-    counts = tokens_per_expert.to(torch.int32)
+    counts = tokens_per_expert.to(torch.int32).clamp(min=0)
     expert_end = torch.cumsum(counts, 0, dtype=torch.int32).clamp_(max=num_rows)
     padding = num_rows - expert_end[-1:]
     row_end = torch.cat([expert_end, expert_end[-1:] + padding])
