@@ -234,6 +234,9 @@ def fused_from_block(block: torch.nn.Module, *, backend: str = "auto", recipe: R
             fused.bias2.copy_(_stack(fc2, "bias"))
     fused.weight1.requires_grad_(weight0.requires_grad)
     fused.weight2.requires_grad_(fc2.weight0.requires_grad)
+    if fc1.use_bias:  # frozen biases stay frozen
+        fused.bias1.requires_grad_(fc1.bias0.requires_grad)
+        fused.bias2.requires_grad_(fc2.bias0.requires_grad)
     return fused
 
 

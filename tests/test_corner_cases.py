@@ -22,3 +22,22 @@ def test_schedule_row_ranges_stay_inside_x_for_negative_counts(counts):
     assert row_start[0] == 0 and row_end[-1] == num_rows
     assert all(row_end[g] == row_start[g + 1] for g in range(experts))
     assert tile_end[-1] <= max_m_tiles(num_rows, experts, block_m)
+
+
+@pytest.mark.parametrize("frozen", ["bias", "weight"])
+def test_swap_keeps_frozen_parameters_frozen(frozen):
+    """A swapped block's parameters train exactly when the original's did. Frozen biases used to
+    come back trainable (only the weights' ``requires_grad`` was carried over)."""
+    from test_swap import ExpertBlockStandIn
+
+    from te_fused_moe import swap
+
+    block = ExpertBlockStandIn(3, 8, 16, bias=True)
+    for linear in (block.fc1, block.fc2):
+        for name, param in linear.named_parameters():
+            param.requires_grad_(not name.startswith(frozen))
+    fused = swap.fused_from_block(block, backend="reference")
+    trainable = {name: p.requires_grad for name, p in fused.named_parameters()}
+    expect_weights, expect_biases = (True, False) if frozen == "bias" else (False, True)
+    assert trainable == {"weight1": expect_weights, "weight2": expect_weights,
+                         "bias1": expect_biases, "bias2": expect_biases}
