@@ -279,18 +279,37 @@ def counts_on_device(tokens_per_expert, device: torch.device) -> torch.Tensor:
             f"tokens_per_expert: expected a tensor or a list of ints, got {type(tokens_per_expert).__name__}"
         )
     key = (device, values)
+    capturing = _stream_is_capturing(device)
     cached = _HOST_COUNTS_ON_DEVICE.get(key)
     if cached is None:
+        if capturing:
+            raise RuntimeError(
+                f"tokens_per_expert: host counts {list(values)} were first seen while a CUDA graph was being "
+                "captured; their host-to-device copy cannot be captured. Run an eager step with the same "
+                "counts (e.g. drop-and-pad's fixed capacity) before capturing"
+            )
         cached = torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
         if len(_HOST_COUNTS_ON_DEVICE) >= _HOST_COUNTS_CACHE_SIZE:
-            _HOST_COUNTS_ON_DEVICE.pop(next(iter(_HOST_COUNTS_ON_DEVICE)))  # oldest first
+            # oldest first, never one a captured graph reads (its memory would be reused under it)
+            evictable = next((k for k in _HOST_COUNTS_ON_DEVICE if k not in _HOST_COUNTS_CAPTURED), None)
+            if evictable is not None:
+                _HOST_COUNTS_ON_DEVICE.pop(evictable)
         _HOST_COUNTS_ON_DEVICE[key] = cached
+    if capturing:
+        _HOST_COUNTS_CAPTURED.add(key)
     return cached
+
+
+def _stream_is_capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream records a graph (a host-side query, no sync)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # (device, counts) -> the device tensor made for them; read-only for every user.
 _HOST_COUNTS_ON_DEVICE: dict = {}
 _HOST_COUNTS_CACHE_SIZE = 16
+# Keys whose tensor some CUDA graph captured: kept for the life of the process.
+_HOST_COUNTS_CAPTURED: set = set()
 
 
 def add_expert_bias(y: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor,

@@ -268,3 +268,25 @@ def test_deterministic_mode_reaches_the_op(monkeypatch, deterministic_mode):
     y, _ = fused(x, counts, torch.rand(10))
     assert seen == [deterministic_mode]
     assert y.shape == x.shape and torch.isfinite(y).all()
+
+
+def test_host_counts_used_by_a_captured_graph_stay_alive(monkeypatch):
+    """A device copy of host counts that a CUDA graph captured is read by every replay: it must
+    never be evicted (its memory would be reused while the graph still reads it), and counts first
+    seen during capture are refused with a clear error (their host-to-device copy cannot be
+    captured). Capture is simulated: the meta device stands in for the GPU."""
+    from megatron_patches import experts as experts_module
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(experts_module, "_HOST_COUNTS_ON_DEVICE", {})
+    monkeypatch.setattr(experts_module, "_HOST_COUNTS_CAPTURED", set())
+    warm = experts_module.counts_on_device([7, 1, 2], meta)  # eager warm-up step
+    monkeypatch.setattr(experts_module, "_stream_is_capturing", lambda device: True)
+    assert experts_module.counts_on_device([7, 1, 2], meta) is warm  # captured by the graph
+    with pytest.raises(RuntimeError, match="tokens_per_expert.*captur"):
+        experts_module.counts_on_device([9, 9, 9], meta)
+    monkeypatch.setattr(experts_module, "_stream_is_capturing", lambda device: False)
+    for i in range(2 * experts_module._HOST_COUNTS_CACHE_SIZE):  # later eager steps, other counts
+        experts_module.counts_on_device([i, 0, 1], meta)
+    assert experts_module.counts_on_device([7, 1, 2], meta) is warm
+    assert len(experts_module._HOST_COUNTS_ON_DEVICE) <= experts_module._HOST_COUNTS_CACHE_SIZE + 1
