@@ -144,6 +144,14 @@ def validate_moe_grouped_gemm_impl(config: Any) -> None:
 
 def _validate_fused(config: Any, impl: str) -> None:
     megatron_activation(config)  # raises for unknown activations or a GLU flag that disagrees
+    topk = getattr(config, "moe_router_topk", 1)
+    if getattr(config, "moe_apply_probs_on_input", False) and topk != 1:
+        # Megatron's experts assert this in forward; scaling each of k copies of a token before
+        # the experts is a different model from scaling the experts' outputs.
+        raise ValueError(
+            f"{FIELD}={impl!r}: moe_apply_probs_on_input=True needs moe_router_topk=1, got {topk} "
+            "(as TEGroupedMLP and SequentialMLP require)"
+        )
     if getattr(config, "moe_latent_size", None):
         raise ValueError(f"{FIELD}={impl!r} does not support moe_latent_size (got {config.moe_latent_size}); expected None")
     interleave = getattr(config, "moe_mlp_glu_interleave_size", None)

@@ -112,6 +112,9 @@ def test_activation_mapping_plain_and_fusions_quick_gelu():
     (dict(activation="gpt_oss_swiglu", glu_linear_offset=0.0), "expects glu_linear_offset=1.0"),
     (dict(glu_linear_offset=1.0), "glu_linear_offset=1.0 is only supported with activation_func=quick_gelu"),
     (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value=7.0 is only supported"),
+    # TEGroupedMLP/SequentialMLP refuse it (an assert in forward); the fused experts must not
+    # silently run a different model
+    (dict(moe_apply_probs_on_input=True), r"moe_apply_probs_on_input=True needs moe_router_topk=1, got 2"),
 ])
 def test_fused_validation_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
