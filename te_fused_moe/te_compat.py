@@ -160,6 +160,33 @@ def _refuse_non_default(te_recipe: Any, recipe_name: str, field: str, default: A
         )
 
 
+# TE's Float8BlockScaling quantizers take their scale rounding and amax epsilon from these
+# QParams (class attributes of TE's recipe, fixed when its module is imported), not from
+# ``use_f32_scales``; ours has one switch for all three roles and no epsilon.
+_BLOCK_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
+def _refuse_block_qparams_we_cannot_honour(te_recipe: Any, recipe_name: str) -> None:
+    power_2 = {}
+    for field in _BLOCK_QPARAMS:
+        qparams = getattr(te_recipe, field, None)
+        if qparams is None:
+            continue
+        epsilon = float(getattr(qparams, "amax_epsilon", 0.0))
+        if epsilon != 0.0:
+            raise ValueError(
+                f"recipe: TE's {recipe_name}.{field}.amax_epsilon={epsilon!r} is not supported by te_fused_moe "
+                "(block amaxes are used as they are); set it to 0.0"
+            )
+        power_2[field] = bool(getattr(qparams, "power_2_scale", True))
+    if len(set(power_2.values())) > 1:
+        odd = min(power_2, key=lambda f: list(power_2.values()).count(power_2[f]))
+        raise ValueError(
+            f"recipe: TE's {recipe_name}.{odd}.power_2_scale={power_2[odd]} differs from the other roles "
+            f"({power_2}); te_fused_moe rounds the scales of every role alike (use_f32_scales)"
+        )
+
+
 def recipe_from_te(te_recipe: Any) -> ours.Recipe:
     """Our recipe equal to TE recipe ``te_recipe``; ``ValueError`` for what we cannot honour."""
     name = _te_class_name(te_recipe)
@@ -196,6 +223,7 @@ def recipe_from_te(te_recipe: Any) -> ours.Recipe:
             params = getattr(te_recipe, phase, None)
             if params is not None and not getattr(params, "use_split_accumulator", True):
                 raise ValueError(f"recipe: TE's {name}.{phase}.use_split_accumulator=False is not supported")
+        _refuse_block_qparams_we_cannot_honour(te_recipe, name)
         return ours.Float8BlockScaling(
             fp8_format=_format_from_te(te_recipe.fp8_format, name),
             x_block_scaling_dim=int(te_recipe.x_block_scaling_dim),
@@ -236,7 +264,7 @@ def recipe_to_te(recipe: Any) -> Any:
             row_scaled_activation=False, nvfp4_4over6="none", backward_override=None,
         )
     if isinstance(recipe, ours.Float8BlockScaling):
-        return te.Float8BlockScaling(
+        te_recipe = te.Float8BlockScaling(
             use_f32_scales=recipe.use_f32_scales,
             fp8_format=te.Format[recipe.fp8_format.name],
             x_block_scaling_dim=recipe.x_block_scaling_dim,
@@ -244,6 +272,10 @@ def recipe_to_te(recipe: Any) -> Any:
             grad_block_scaling_dim=recipe.grad_block_scaling_dim,
             backward_override=None,
         )
+        # TE's quantizers read these, not use_f32_scales (see _BLOCK_QPARAMS)
+        for field in _BLOCK_QPARAMS:
+            setattr(te_recipe, field, te.QParams(power_2_scale=not recipe.use_f32_scales, amax_epsilon=0.0))
+        return te_recipe
     raise TypeError(f"recipe_to_te: no TE equivalent for {type(recipe).__name__}")
 
 

@@ -41,3 +41,59 @@ def test_swap_keeps_frozen_parameters_frozen(frozen):
     expect_weights, expect_biases = (True, False) if frozen == "bias" else (False, True)
     assert trainable == {"weight1": expect_weights, "weight2": expect_weights,
                          "bias1": expect_biases, "bias2": expect_biases}
+
+
+@pytest.fixture
+def te_recipe_module(monkeypatch):
+    """TE's real recipe file (TE's pure-Python wheel, see tests/test_te_compat.py), loaded by path in
+    this process with TE's environment switches unset; skipped where that wheel is not installed."""
+    import os
+    import sys
+
+    from te_fused_moe import te_compat
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    te_dir = os.environ.get("TE_FUSED_MOE_TE_PATH") or os.path.join(root, ".ci-deps", "te")
+    package = os.path.join(te_dir, "transformer_engine")
+    if not os.path.isdir(package):
+        if os.environ.get("TE_FUSED_MOE_REQUIRE_TE") == "1":
+            pytest.fail(f"TE's wheel is required but missing at {te_dir}")
+        pytest.skip(f"TE's pure-Python wheel is not installed at {te_dir}")
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE", raising=False)
+    module = te_compat._load_recipe_by_path(package)
+    monkeypatch.setattr(te_compat, "te_recipe_module", lambda: module)
+    yield module
+    sys.modules.pop(te_compat._PRIVATE_RECIPE_MODULE, None)
+
+
+def test_fp8_block_recipe_to_te_quantizes_like_ours(te_recipe_module):
+    """TE's Float8Block quantizers read ``fp8_quant_{fwd_inp,fwd_weight,bwd_grad}.power_2_scale``,
+    class attributes fixed when TE's recipe module is imported; ``use_f32_scales=True`` passed to
+    the constructor does not change them. Our FP32-scale recipe used to become a TE recipe whose
+    quantizers round scales to powers of two."""
+    from te_fused_moe import recipes, te_compat
+
+    for f32 in (False, True):
+        te_recipe = te_compat.recipe_to_te(recipes.Float8BlockScaling(use_f32_scales=f32))
+        for role in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            qparams = getattr(te_recipe, role)
+            assert qparams.power_2_scale is (not f32), (f32, role, qparams)
+            assert qparams.amax_epsilon == 0.0
+        assert te_compat.recipe_from_te(te_recipe) == recipes.Float8BlockScaling(use_f32_scales=f32)
+
+
+def test_fp8_block_quantizer_settings_we_cannot_honour_are_refused(te_recipe_module):
+    """TE recipes whose quantizers use an amax epsilon, or power-of-two scales for some roles only,
+    used to convert silently to a recipe that computes something else."""
+    from te_fused_moe import te_compat
+
+    te = te_recipe_module
+    eps = te.Float8BlockScaling()
+    eps.fp8_quant_fwd_inp = te.QParams(power_2_scale=True, amax_epsilon=1e-6)
+    with pytest.raises(ValueError, match=r"Float8BlockScaling\.fp8_quant_fwd_inp\.amax_epsilon"):
+        te_compat.recipe_from_te(eps)
+    mixed = te.Float8BlockScaling()
+    mixed.fp8_quant_bwd_grad = te.QParams(power_2_scale=False)
+    with pytest.raises(ValueError, match=r"Float8BlockScaling\.fp8_quant_bwd_grad\.power_2_scale"):
+        te_compat.recipe_from_te(mixed)
