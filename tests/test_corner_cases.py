@@ -97,3 +97,16 @@ def test_fp8_block_quantizer_settings_we_cannot_honour_are_refused(te_recipe_mod
     mixed.fp8_quant_bwd_grad = te.QParams(power_2_scale=False)
     with pytest.raises(ValueError, match=r"Float8BlockScaling\.fp8_quant_bwd_grad\.power_2_scale"):
         te_compat.recipe_from_te(mixed)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "triton"])
+def test_zero_experts_are_refused_naming_w2(backend):
+    """E = 0 used to reach the kernels (the Triton schedule then has no group for the padding rows;
+    under the interpreter it died in an AssertionError 'shape must be positive')."""
+    from te_fused_moe import fused_moe_mlp
+
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    w1 = torch.randn(0, 32, 16, dtype=torch.bfloat16)
+    w2 = torch.randn(0, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w2: expected at least one expert \(E >= 1\)"):
+        fused_moe_mlp(x, torch.zeros(0, dtype=torch.int64), w1, w2, backend=backend)
