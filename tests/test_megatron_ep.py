@@ -81,9 +81,13 @@ def _sharded_layouts_match(ep, etp) -> bool:
                        v.replica_id) for v in nested_values(sharded))
 
     local = EXPERTS // ep
-    fused = build_experts(make_config("fused-reference", ep=ep, etp=etp, ffn=FFN, hidden=HIDDEN), local)
-    sequential = build_experts(make_config("sequential", ep=ep, etp=etp, ffn=FFN, hidden=HIDDEN), local)
-    return layout(fused) == layout(sequential)
+    for bias in (False, True) if etp == 1 else (False,):  # Megatron allows expert biases only without ETP
+        kwargs = dict(ep=ep, etp=etp, ffn=FFN, hidden=HIDDEN, bias=bias)
+        fused = build_experts(make_config("fused-reference", **kwargs), local)
+        sequential = build_experts(make_config("sequential", **kwargs), local)
+        if layout(fused) != layout(sequential):
+            return False
+    return True
 
 
 def _rel(a, b):
