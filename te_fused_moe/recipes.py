@@ -111,6 +111,12 @@ class Float8BlockScaling(Recipe):
         for field in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, field) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling: {field} must be 1 or 2, got {getattr(self, field)}")
+        two_d = [role for role in ROLES if self.block_dim(role) == 2]
+        if len(two_d) > 1:  # TE refuses these too: no GEMM takes two 128x128-block operands
+            raise ValueError(
+                f"Float8BlockScaling: at most one of x/w/grad may use 2D (128x128) blocks, got 2D for {two_d} "
+                f"(a GEMM of two 2D-block operands is not supported)"
+            )
         if self.fp8_format not in (Format.E4M3, Format.HYBRID):
             raise ValueError(
                 f"Float8BlockScaling: fp8_format must be Format.E4M3 or Format.HYBRID, got {self.fp8_format}"

@@ -188,3 +188,15 @@ def test_triton_corner_cases_match_fp64(triton_corner_results, case):
     assert set(res) == {"y"} | (set(_GRADS) - set(case[3]))
     for name, err in res.items():
         assert isinstance(err, float) and err <= 6e-3, f"{case[0]}: {name}: {err}"
+
+
+@pytest.mark.parametrize("dims", [(2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+def test_fp8_block_recipe_refuses_two_2d_block_operands(dims):
+    """TE's Float8BlockScaling refuses 2D-by-2D block GEMMs; ours accepted them, so recipe_to_te
+    died in TE's assert and the reference emulated a GEMM no kernel runs."""
+    from te_fused_moe.recipes import Float8BlockScaling
+
+    x, w, grad = dims
+    with pytest.raises(ValueError, match=r"Float8BlockScaling: at most one of x/w/grad may use 2D"):
+        Float8BlockScaling(x_block_scaling_dim=x, w_block_scaling_dim=w, grad_block_scaling_dim=grad)
+    Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1, grad_block_scaling_dim=1)  # one 2D is fine
