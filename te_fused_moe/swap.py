@@ -203,7 +203,12 @@ class SwappedGroupedMLP(FusedGroupedMLP):
 
     def forward(self, x: torch.Tensor, m_splits, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
         if isinstance(m_splits, (list, tuple)):
-            m_splits = torch.tensor(m_splits, dtype=torch.int64, device=x.device)  # host -> device copy, no sync
+            # torch.tensor(..., device="cuda") copies from pageable memory and then waits for the
+            # stream (a host sync); a pinned staging copy lets the host go on.
+            host = torch.tensor(m_splits, dtype=torch.int64)
+            if x.device.type == "cuda":
+                host = host.pin_memory()
+            m_splits = host.to(x.device, non_blocking=True)
         elif isinstance(m_splits, torch.Tensor) and m_splits.device != x.device:
             m_splits = m_splits.to(x.device, non_blocking=True)
         return super().forward(x, m_splits, probs)
