@@ -59,14 +59,27 @@ def install() -> None:
 
     setattr(__init__, _HOOK_MARK, True)
     __init__._te_fused_moe_original = original_init
+    __init__._te_fused_moe_hook_function = __init__  # tells our wrapper from one copying its marks
     moe_layer_cls.__init__ = __init__
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (no-op when not installed)."""
+    """Undo :func:`install` (no-op when not installed).
+
+    Raises ``RuntimeError`` when something wrapped ``MoELayer.__init__`` after :func:`install`
+    (``functools.wraps`` copies our marks onto that wrapper): restoring the original would drop it.
+    """
     moe_layer_cls = _moe_layer_class()
-    if is_installed():
-        moe_layer_cls.__init__ = moe_layer_cls.__init__._te_fused_moe_original
+    if not is_installed():
+        return
+    current = moe_layer_cls.__init__
+    if current._te_fused_moe_hook_function is not current:
+        raise RuntimeError(
+            "megatron_patches.uninstall(): MoELayer.__init__ was wrapped after install() by "
+            f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', '?')}; remove that "
+            "wrapper first (restoring Megatron's __init__ would drop it)"
+        )
+    moe_layer_cls.__init__ = current._te_fused_moe_original
 
 
 def __getattr__(name):

@@ -207,3 +207,34 @@ def test_install_is_idempotent_and_reversible():
     finally:
         if was:
             megatron_patches.install()
+
+
+def test_uninstall_keeps_a_wrapper_added_after_install():
+    """Another library wrapping MoELayer.__init__ (functools.wraps copies our marks) after install():
+    uninstall must not silently drop that wrapper along with ours."""
+    import functools
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    was = megatron_patches.is_installed()
+    megatron_patches.uninstall()
+    original = MoELayer.__init__
+    try:
+        megatron_patches.install()
+        ours = MoELayer.__init__
+
+        @functools.wraps(ours)
+        def theirs(self, *args, **kwargs):
+            ours(self, *args, **kwargs)
+
+        MoELayer.__init__ = theirs
+        assert megatron_patches.is_installed()  # our hook still runs, beneath theirs
+        with pytest.raises(RuntimeError, match="MoELayer.__init__ was wrapped after install"):
+            megatron_patches.uninstall()
+        assert MoELayer.__init__ is theirs
+        megatron_patches.install()  # idempotent here too: no second hook
+        assert MoELayer.__init__ is theirs
+    finally:
+        MoELayer.__init__ = original
+        if was:
+            megatron_patches.install()
