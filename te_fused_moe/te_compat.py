@@ -167,6 +167,8 @@ _BLOCK_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_gr
 
 
 def _refuse_block_qparams_we_cannot_honour(te_recipe: Any, recipe_name: str) -> None:
+    """Refuse QParams we cannot follow, and a ``use_f32_scales`` that TE's quantizers would not
+    follow either (they read the QParams, which TE fixes when its module is imported)."""
     power_2 = {}
     for field in _BLOCK_QPARAMS:
         qparams = getattr(te_recipe, field, None)
@@ -184,6 +186,14 @@ def _refuse_block_qparams_we_cannot_honour(te_recipe: Any, recipe_name: str) -> 
         raise ValueError(
             f"recipe: TE's {recipe_name}.{odd}.power_2_scale={power_2[odd]} differs from the other roles "
             f"({power_2}); te_fused_moe rounds the scales of every role alike (use_f32_scales)"
+        )
+    use_f32_scales = bool(getattr(te_recipe, "use_f32_scales", False))
+    if power_2 and next(iter(power_2.values())) == use_f32_scales:
+        raise ValueError(
+            f"recipe: TE's {recipe_name}.use_f32_scales={use_f32_scales} but its QParams say "
+            f"power_2_scale={use_f32_scales}, and TE's quantizers follow the QParams; make them agree "
+            "(TE sets both from NVTE_FP8_BLOCK_SCALING_FP32_SCALES at import) so that te_fused_moe computes "
+            "the scales TE would"
         )
 
 

@@ -129,10 +129,27 @@ def _te_nvfp4_cases(te):
         yield te.NVFP4BlockScaling(disable_rht=rht, disable_stochastic_rounding=sr, disable_2d_quantization=two_d)
 
 
+def _te_block_recipe(te, f32, **fields):
+    """TE's Float8BlockScaling with ``use_f32_scales`` and the QParams TE's quantizers read in agreement
+    (TE derives both from NVTE_FP8_BLOCK_SCALING_FP32_SCALES at import; here we set them per object)."""
+    recipe = te.Float8BlockScaling(use_f32_scales=f32, **fields)
+    for role in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+        setattr(recipe, role, te.QParams(power_2_scale=not f32, amax_epsilon=0.0))
+    return recipe
+
+
 def _te_block_cases(te):
     for fmt, f32, dims in itertools.product(("E4M3", "HYBRID"), (False, True), ((1, 2, 1), (1, 1, 1), (2, 1, 1))):
-        yield te.Float8BlockScaling(fp8_format=te.Format[fmt], use_f32_scales=f32, x_block_scaling_dim=dims[0],
-                                    w_block_scaling_dim=dims[1], grad_block_scaling_dim=dims[2])
+        yield _te_block_recipe(te, f32, fp8_format=te.Format[fmt], x_block_scaling_dim=dims[0],
+                               w_block_scaling_dim=dims[1], grad_block_scaling_dim=dims[2])
+
+
+@inner_only
+def test_inner_block_scaling_f32_flag_that_te_would_ignore_is_refused(te):
+    # TE's quantizers read the QParams (power-of-2 by default), not use_f32_scales
+    with pytest.raises(ValueError, match="use_f32_scales=True but its QParams say power_2_scale=True"):
+        te_compat.recipe_from_te(te.Float8BlockScaling(use_f32_scales=True))
+    assert te_compat.recipe_from_te(_te_block_recipe(te, True)).use_f32_scales is True
 
 
 @inner_only
