@@ -46,17 +46,28 @@ CUDA_GRAPH_MODES = ("none", "local", "full_iteration")  # = megatron_patches.cud
 FULL_ITERATION_WARMUP_STEPS = 2  # eager steps before the whole-step graph is captured
 
 
+def positive_int(text: str) -> int:
+    """argparse type of the count flags: 0 would otherwise fall back to the config's value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     from megatron_patches.arguments import add_megatron_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML model config (configs/*.yaml)")
-    parser.add_argument("--train-iters", type=int, default=None, help="iterations (default: the config's)")
+    parser.add_argument("--train-iters", type=positive_int, default=None, help="iterations (default: the config's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--out", default=None, help="output folder (default runs/<config>_<impl>)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default: the config's)")
-    parser.add_argument("--moe-timing-iters", type=int, default=None, help="MoE layer fwd+bwd timing repeats")
+    parser.add_argument("--moe-timing-iters", type=positive_int, default=None, help="MoE layer fwd+bwd timing repeats")
     parser.add_argument("--plot", action="store_true", help="also write loss.png (matplotlib)")
     parser.add_argument("--cuda-graph", choices=CUDA_GRAPH_MODES, default="none",
                         help="CUDA graphs (needs CUDA): Megatron's per-layer graphs ('local') or one graph of "

@@ -114,3 +114,14 @@ def test_capacity_factor_flag(launcher):
     assert launcher.capacity_fields(None) == {}
     with pytest.raises(ValueError, match="--moe-expert-capacity-factor: expected a positive number"):
         launcher.capacity_fields(0.0)
+
+
+@pytest.mark.parametrize("flag,value", [("--train-iters", "0"), ("--train-iters", "-3"),
+                                        ("--moe-timing-iters", "0"), ("--moe-timing-iters", "-1")])
+def test_count_flags_refuse_non_positive_values(launcher, capsys, flag, value):
+    """0 used to fall back silently to the config's value ('or'), and a negative count ran no steps
+    and died dividing by zero after building the model; both are refused while parsing."""
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--config", CONFIG, flag, value])
+    assert f"{flag}: expected a positive integer, got {value}" in capsys.readouterr().err
+    assert getattr(launcher.parse_args(["--config", CONFIG, flag, "2"]), flag[2:].replace("-", "_")) == 2
