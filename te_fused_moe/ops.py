@@ -65,12 +65,16 @@ def validate_inputs(args: ExpertMLPArgs) -> None:
         raise TypeError(f"x: expected a floating dtype in {[str(d) for d in FLOAT_DTYPES]}, got {x.dtype}")
     _require_contiguous("x", x)
     tokens, hidden = x.shape
+    if hidden == 0:
+        raise ValueError(f"x: expected at least one column (H >= 1), got shape {tuple(x.shape)}")
     device = x.device
 
     _require_tensor("w2", w2, 3, "[E, H, F]")
     experts, _, ffn = w2.shape
     if experts == 0:  # the kernels' schedules have one group per expert plus padding
         raise ValueError(f"w2: expected at least one expert (E >= 1), got shape {tuple(w2.shape)}")
+    if ffn == 0:
+        raise ValueError(f"w2: expected an FFN width of at least 1 (F >= 1), got shape {tuple(w2.shape)}")
     _require_tensor("w1", w1, 3, "[E, 2F, H] (gated) or [E, F, H]")
     n1 = 2 * ffn if args.activation.gated else ffn
     if tuple(w1.shape) != (experts, n1, hidden):

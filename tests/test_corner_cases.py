@@ -53,7 +53,7 @@ def te_recipe_module(monkeypatch):
     from te_fused_moe import te_compat
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    te_dir = os.environ.get("TE_FUSED_MOE_TE_PATH") or os.path.join(root, ".ci-deps", "te")
+    te_dir = os.environ.get("TE_FUSED_MOE_TE_PATH") or os.path.join(root, ".deps", "te")
     package = os.path.join(te_dir, "transformer_engine")
     if not os.path.isdir(package):
         if os.environ.get("TE_FUSED_MOE_REQUIRE_TE") == "1":

@@ -4,9 +4,9 @@ TE cannot live in the shared environment (its meta-package makes ``import megatr
 so the tests that need TE's classes run in a pytest *subprocess* whose PYTHONPATH holds a private
 install of TE's pure-Python wheel:
 
-    pip install --no-deps --target .ci-deps/te transformer-engine==2.20.2
+    pip install --no-deps --target .deps/te transformer-engine==2.20.2
 
-The directory is ``$TE_FUSED_MOE_TE_PATH`` or ``<repo>/.ci-deps/te``. Without it the TE tests skip
+The directory is ``$TE_FUSED_MOE_TE_PATH`` or ``<repo>/.deps/te``. Without it the TE tests skip
 locally and fail when ``TE_FUSED_MOE_REQUIRE_TE=1`` (CI sets it).
 """
 
@@ -29,7 +29,7 @@ inner_only = pytest.mark.skipif(not INNER, reason="runs inside the TE subprocess
 
 
 def _te_dir():
-    path = os.environ.get("TE_FUSED_MOE_TE_PATH") or os.path.join(ROOT, ".ci-deps", "te")
+    path = os.environ.get("TE_FUSED_MOE_TE_PATH") or os.path.join(ROOT, ".deps", "te")
     return path if os.path.isdir(os.path.join(path, "transformer_engine")) else None
 
 
@@ -64,7 +64,7 @@ def test_te_suite():
     te_dir = _te_dir()
     if te_dir is None:
         message = (
-            "TE's wheel not found: run `pip install --no-deps --target .ci-deps/te transformer-engine==2.20.2` "
+            "TE's wheel not found: run `pip install --no-deps --target .deps/te transformer-engine==2.20.2` "
             "or set TE_FUSED_MOE_TE_PATH"
         )
         if os.environ.get("TE_FUSED_MOE_REQUIRE_TE") == "1":
