@@ -139,10 +139,11 @@ def validate_moe_grouped_gemm_impl(config: Any) -> None:
             f"expected {FIELD}='te-op-fuser'"
         )
     if is_fused_impl(impl):
-        _validate_fused(config, impl)
+        validate_fused_config(config, impl)
 
 
-def _validate_fused(config: Any, impl: str) -> None:
+def validate_fused_config(config: Any, impl: str) -> None:
+    """What a ``fused*`` impl needs of the rest of ``config`` (``ValueError`` naming the field)."""
     megatron_activation(config)  # raises for unknown activations or a GLU flag that disagrees
     topk = getattr(config, "moe_router_topk", 1)
     if getattr(config, "moe_apply_probs_on_input", False) and topk != 1:

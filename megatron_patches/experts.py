@@ -33,7 +33,13 @@ from te_fused_moe import fused_moe_mlp
 
 from .activation import megatron_activation
 from .checkpoint import expert_sharded_state_dict
-from .config import fused_backend, get_moe_grouped_gemm_impl, is_fused_impl, validate_moe_grouped_gemm_impl
+from .config import (
+    fused_backend,
+    get_moe_grouped_gemm_impl,
+    is_fused_impl,
+    validate_fused_config,
+    validate_moe_grouped_gemm_impl,
+)
 from .recipe import recipe_from_config
 
 DEFAULT_IMPL = "fused"
@@ -163,6 +169,8 @@ class FusedExpertsMLP(MegatronModule):
                 f"moe_grouped_gemm_impl={impl!r}: FusedExpertsMLP runs the 'fused*' implementations only"
             )
         validate_moe_grouped_gemm_impl(config)
+        if get_moe_grouped_gemm_impl(config) is None:
+            validate_fused_config(config, impl)  # built from a spec directly: the checks above skipped these
         self.impl = impl
         self.backend = fused_backend(impl)
         self.activation = megatron_activation(config)

@@ -290,3 +290,21 @@ def test_host_counts_used_by_a_captured_graph_stay_alive(monkeypatch):
         experts_module.counts_on_device([i, 0, 1], meta)
     assert experts_module.counts_on_device([7, 1, 2], meta) is warm
     assert len(experts_module._HOST_COUNTS_ON_DEVICE) <= experts_module._HOST_COUNTS_CACHE_SIZE + 1
+
+
+def test_experts_built_from_a_config_without_the_option_still_validate():
+    """FusedExpertsMLP put in a layer spec directly, with a plain TransformerConfig (no
+    moe_grouped_gemm_impl), defaults to 'fused' and must refuse what 'fused' refuses."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patches.experts import FusedExpertsMLP
+
+    plain = dict(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_ffn_hidden_size=24,
+                 ffn_hidden_size=24, moe_grouped_gemm=True, use_cpu_initialization=True, gated_linear_unit=True,
+                 activation_func=torch.nn.functional.silu, moe_router_topk=2)
+    ok = FusedExpertsMLP(4, TransformerConfig(**plain), pg_collection=get_default_pg_collection())
+    assert ok.impl == "fused" and ok.activation.name == "swiglu"
+    with pytest.raises(ValueError, match="moe_apply_probs_on_input=True needs moe_router_topk=1"):
+        FusedExpertsMLP(4, TransformerConfig(**plain, moe_apply_probs_on_input=True),
+                        pg_collection=get_default_pg_collection())
