@@ -150,3 +150,27 @@ def capture_cuda_graph(step, warmup: int = 2):
     with torch.cuda.graph(graph):
         outputs = step()
     return graph, outputs
+
+
+def run_in_triton_interpreter(call: str, tag: str = "RESULTS", extra_env=None, timeout: int = 600):
+    """Run the Python statement ``call`` (e.g. ``"import test_x as t; t._worker()"``) in a fresh
+    process with ``TRITON_INTERPRET=1`` and return the JSON it printed after ``tag``.
+
+    A fresh process because Triton reads the flag when it first decorates the kernels: once any test
+    has imported the Triton backend, the flag can no longer be turned on in this process. The
+    repository and ``tests/`` are importable there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", **(extra_env or {}))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(tag)]
+    assert proc.returncode == 0 and lines, (
+        f"interpreter worker `{call}` failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    return json.loads(lines[-1][len(tag):])

@@ -163,20 +163,10 @@ def _triton_corner_worker() -> None:
 
 @pytest.fixture(scope="module")
 def triton_corner_results():
-    import json
-    import os
-    import subprocess
-    import sys
+    from moe_reference import run_in_triton_interpreter
 
     pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_corner_cases as t; t._triton_corner_worker()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(root, "tests"), env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS")][-1]
-    return json.loads(line[len("RESULTS"):])
+    return run_in_triton_interpreter("import test_corner_cases as t; t._triton_corner_worker()")
 
 
 @pytest.mark.parametrize("case", TRITON_CORNERS, ids=[c[0] for c in TRITON_CORNERS])

@@ -9,18 +9,13 @@ the CPU: the reference always, and the Triton backend through Triton's interpret
 Bounded (max_examples, small T when E is large): the file takes 15-70 s on two shared cores.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import te_fused_moe
 from fake_quant_reference import quantized_expert_mlp_fp64
-from moe_reference import expert_mlp_fp64, random_problem, rel_err
+from moe_reference import expert_mlp_fp64, random_problem, rel_err, run_in_triton_interpreter
 from te_fused_moe import ActivationConfig, as_recipe
 from te_fused_moe.activations import ACTIVATIONS
 from te_fused_moe.backends import explain
@@ -135,17 +130,11 @@ def _fuzz_in_triton_interpreter(counts):
 
 def test_fuzz_triton_through_interpreter():
     """The Triton backend can run on this CPU through its interpreter: fuzz it there too."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = (
-        "import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']\n"
-        "import test_fuzz; counts = {}; test_fuzz._fuzz_in_triton_interpreter(counts)\n"
-        "print('COUNTS' + json.dumps(counts))\n"
+    counts = run_in_triton_interpreter(
+        "import json, test_fuzz; counts = {}; test_fuzz._fuzz_in_triton_interpreter(counts); "
+        "print('COUNTS' + json.dumps(counts))",
+        tag="COUNTS",
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code, root], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreter fuzz failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-    counts = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("COUNTS")][-1][len("COUNTS"):])
     assert counts.get("triton", 0) >= 5, counts  # the interpreter really ran the Triton kernels
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -137,13 +136,10 @@ def _worker() -> None:
 
 
 def test_fused_experts_make_no_host_sync():
-    env = dict(os.environ, TRITON_INTERPRET="1", TE_FUSED_MOE_DEBUG="0",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    from moe_reference import run_in_triton_interpreter
+
+    report = run_in_triton_interpreter("import test_megatron_no_sync as t; t._worker()", tag="REPORT ",
+                                       extra_env={"TE_FUSED_MOE_DEBUG": "0"}, timeout=300)
     assert report["triton_sync"] == "", report["triton_sync"]
     # the triton path really ran and computed the right thing (bf16 output rounding)
     assert report["y_err"] < 1e-2 and report["dx_err"] < 1e-2 and report["w1_grad_err"] < 1e-2, report
@@ -152,6 +148,3 @@ def test_fused_experts_make_no_host_sync():
     assert "tolist() called from te_fused_moe/backends/reference" in report["reference_sync"], report
     assert "tolist() called from megatron_patches/experts.py" in report["planted_sync"], report
 
-
-if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()

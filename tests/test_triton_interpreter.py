@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from moe_reference import run_in_triton_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ != "__main__":
@@ -108,12 +109,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS")][-1]
-    return json.loads(line[len("RESULTS"):])
+    return run_in_triton_interpreter("import test_triton_interpreter as t; t._worker()")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -184,6 +180,3 @@ def test_availability_and_errors_on_cpu(monkeypatch):
     with pytest.raises(RuntimeError, match="backend='triton' needs a CUDA GPU"):
         fused_moe_mlp(x, torch.tensor([4, 4]), w1, w2, backend="triton")
 
-
-if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
