@@ -7,7 +7,7 @@ FP64 reference and reports numbers as JSON; the tests below assert on those numb
 
 Both load paths are covered: TMA tensor descriptors (the default where operands allow) and plain
 pointer loads (``grouped_gemm.USE_TMA_DEFAULT = False`` for the cases marked ``ptr``); cases marked
-``vectail`` turn on the wgrad's vectorised tail (off by default, see ``WgradConfig.vector_tail``).
+``clampedtail`` turn off the wgrad's vectorised tail (on by default, see ``WgradConfig.vector_tail``).
 
 Every kernel buffer is poisoned with NaN (``autograd.new_buffer`` is replaced in the worker), so an
 element a kernel fails to write shows up as NaN in an error or an exact-zero check.
@@ -43,8 +43,8 @@ CASES = [
     ("swiglu-e3-determ", 96, 48, 72, 3, "swiglu", True, True, "empty", 6, "bfloat16", True),
     ("swiglu-e3-ptr", 96, 48, 40, 3, "swiglu", True, True, "empty", 5, "bfloat16", False),
     ("gptoss-e5-ptr", 128, 64, 64, 5, "gpt_oss_swiglu", True, True, "zipf", 3, "bfloat16", True),
-    ("swiglu-e3-vectail", 96, 48, 40, 3, "swiglu", True, True, "zipf", 5, "bfloat16", False),
-    ("geglu-e5-ptr-vectail", 128, 64, 72, 5, "geglu", True, True, "empty", 9, "bfloat16", False),
+    ("swiglu-e3-clampedtail", 96, 48, 40, 3, "swiglu", True, True, "zipf", 5, "bfloat16", False),
+    ("geglu-e5-ptr-clampedtail", 128, 64, 72, 5, "geglu", True, True, "empty", 9, "bfloat16", False),
     ("swiglu-e3-fp16", 96, 48, 40, 3, "swiglu", True, True, "balanced", 5, "float16", False),
     ("srelu-e3-allpad", 32, 32, 32, 3, "srelu", True, True, "balanced", 32, "bfloat16", False),
     # router probs that scale the activation but need no gradient (frozen router)
@@ -74,7 +74,7 @@ def _worker() -> None:
     results = {}
     for case_id, T, H, F, E, act, bias, probs, routing, padding, dtype, determ in CASES:
         grouped_gemm.USE_TMA_DEFAULT = "-ptr" not in case_id
-        wgrad.INTERPRET_WGRAD_CONFIG = dataclasses.replace(real_wgrad_config, vector_tail="vectail" in case_id)
+        wgrad.INTERPRET_WGRAD_CONFIG = dataclasses.replace(real_wgrad_config, vector_tail="clampedtail" not in case_id)
         p = random_problem(T, H, F, E, activation=act, dtype=getattr(torch, dtype), bias=bias, probs=probs,
                            routing=routing, padding=padding)
         frozen = {"probs"} if "frozenprobs" in case_id else set()
@@ -180,3 +180,74 @@ def test_availability_and_errors_on_cpu(monkeypatch):
     with pytest.raises(RuntimeError, match="backend='triton' needs a CUDA GPU"):
         fused_moe_mlp(x, torch.tensor([4, 4]), w1, w2, backend="triton")
 
+
+
+def _memory_worker() -> None:
+    """Runs in the subprocess: when does backward let go of the forward's ``h`` and ``a``, and does a
+    second backward through the same graph fail clearly?"""
+    import weakref
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    from moe_reference import random_problem
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton import autograd as triton_autograd
+
+    T, H, F, E = 64, 32, 48, 3
+    refs = {}
+    real_new_buffer = triton_autograd.new_buffer
+
+    def tracking_new_buffer(shape, like, dtype=None):
+        buf = real_new_buffer(shape, like, dtype)
+        if tuple(shape) == (T, 2 * F):
+            refs.setdefault("h", weakref.ref(buf))
+        elif tuple(shape) == (T, F):
+            refs.setdefault("a", weakref.ref(buf))
+        return buf
+
+    alive_at = {}
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            alive_at[name] = {k: r() is not None for k, r in refs.items()}
+            return fn(*args, **kwargs)
+        return wrapped
+
+    triton_autograd.new_buffer = tracking_new_buffer
+    gg = triton_autograd.gg
+    gg.fc2_dgrad_dact = spy("fc2_dgrad_dact", gg.fc2_dgrad_dact)
+    gg.fc1_dgrad = spy("fc1_dgrad", gg.fc1_dgrad)
+    p = random_problem(T, H, F, E, activation="swiglu", dtype=torch.bfloat16, bias=True, probs=True,
+                       routing="zipf", padding=3)
+    leaves = {k: (v.clone().requires_grad_(True) if k in GRADS and v is not None else v) for k, v in p.items()}
+    y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation="swiglu",
+                      b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend="triton")
+    dy = torch.randn(y.shape, dtype=y.dtype)
+    y.backward(dy, retain_graph=True)
+    after = {k: r() is not None for k, r in refs.items()}
+    try:
+        y.backward(dy)
+        second = "no error"
+    except RuntimeError as exc:
+        second = str(exc)
+    print("RESULTS" + json.dumps({"alive_at": alive_at, "after": after, "second_backward": second}))
+
+
+@pytest.fixture(scope="module")
+def memory_results():
+    return run_in_triton_interpreter("import test_triton_interpreter as t; t._memory_worker()")
+
+
+def test_backward_frees_h_and_a_after_their_last_use(memory_results):
+    # a's last reader is FC2's wgrad (run first), h's is the dGLU dgrad: neither may live on through
+    # FC1's dgrad and wgrad, or the peak exceeds the unfused path's by h + a.
+    alive = memory_results["alive_at"]
+    assert alive["fc2_dgrad_dact"] == {"h": True, "a": False}
+    assert alive["fc1_dgrad"] == {"h": False, "a": False}
+    assert memory_results["after"] == {"h": False, "a": False}
+
+
+def test_second_backward_through_the_same_graph_fails_clearly(memory_results):
+    assert "retain_graph=True" in memory_results["second_backward"]
+    assert "not supported" in memory_results["second_backward"]
