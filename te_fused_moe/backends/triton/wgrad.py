@@ -40,12 +40,11 @@ class WgradConfig:
     num_warps: int = 8
     num_stages: int = 3
     use_tma: bool = True
-    # Vectorised loads for an expert's last partial row chunk (TMA path). 1.4-1.8x faster wgrad on
-    # uneven routings, but on the H200 it gave WRONG dW in the tests with biases (device runs 4-5,
-    # benchmarks/NOTES.md) while the clamped-column tail passed all GPU tests (run 2): off until
-    # understood (also for the pointer-load loop, used when TMA is not allowed). The interpreter
-    # tests run both settings.
-    vector_tail: bool = False
+    # Vectorised loads for an expert's last partial row chunk (else clamped column indices: scalar
+    # loads, which made wgrad 1.4-1.8x slower on uneven routings). Runs 4-6 saw wrong dW with it, but
+    # only ever together with the bias sum fused into this loop, which raced (the bias sum now has
+    # its own kernel); tests/gpu/test_triton_gpu.py checks both settings against FP64 and bitwise.
+    vector_tail: bool = True
 
 
 INTERPRET_WGRAD_CONFIG = WgradConfig(block_n=32, block_k=32, block_m=16, group_n=2, num_warps=4, num_stages=1)
