@@ -9,7 +9,8 @@ shape time forward, backward and forward+backward of
 
 and each of our kernels alone (FC1 with its GLU epilogue, FC2, the dGLU dgrad, FC1 dgrad, the two
 wgrads), as TFLOP/s and as a fraction of the measured dense peak. TFLOP/s counts routed tokens only;
-forward+backward counts 3x the forward FLOPs, backward 2x. Inputs are random (never zeros).
+forward+backward counts 3x the forward FLOPs, backward 2x. Inputs are random (never zeros). Also:
+peak memory of each path, and what ``deterministic=True`` costs (with router probs).
 """
 
 from __future__ import annotations
@@ -128,6 +129,25 @@ def do_bench_ms(fn: Callable, grad_to_none=None) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
 
 
+def backward_ms(forward: Callable, dy: torch.Tensor, params, reps: int = 30) -> float:
+    """Median GPU time of backward alone. Each repetition runs a fresh forward first (untimed): the
+    fused backend frees its saved activations in backward, so one graph cannot be replayed with
+    ``retain_graph=True``. Events bracket only the backward's work on the stream."""
+    times = []
+    for _ in range(reps + 3):
+        for p in params:
+            p.grad = None
+        y = forward()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.backward(dy)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times = sorted(times[3:])  # the first few warm the allocator
+    return float(times[len(times) // 2])
+
+
 def measure_ceilings() -> Dict[str, float]:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -158,13 +178,11 @@ def bench_implementation(name: str, shape: Shape, inputs, peak_tflops: float) ->
 
     fwd_bwd()  # compile / warm up
     torch.cuda.synchronize()
-    y_graph = forward()
     out = {
         "fwd_ms": do_bench_ms(forward),
-        "bwd_ms": do_bench_ms(lambda: y_graph.backward(dy, retain_graph=True), grad_to_none=params),
+        "bwd_ms": backward_ms(forward, dy, params),
         "fwd_bwd_ms": do_bench_ms(fwd_bwd, grad_to_none=params),
     }
-    del y_graph
     for x_ in params:
         x_.grad = None
     torch.cuda.synchronize()
@@ -212,11 +230,42 @@ def bench_kernels(shape: Shape, inputs, peak_tflops: float, fc1_config=None, fc2
         "wgrad_w2": (lambda: grouped_wgrad(dy, a, sched, dw2, config=wgrad_config), 2 * routed * H * F),
         "wgrad_w1": (lambda: grouped_wgrad(dh, x, sched, dw1, config=wgrad_config), 2 * routed * n1 * H),
     }
+    if wgrad_config is None:  # the previous default (clamped tail: scalar loads), for comparison
+        from .backends.triton.wgrad import WgradConfig
+
+        clamped = WgradConfig(vector_tail=False)
+        kernels["wgrad_w2_clamped_tail"] = (lambda: grouped_wgrad(dy, a, sched, dw2, config=clamped),
+                                            2 * routed * H * F)
+        kernels["wgrad_w1_clamped_tail"] = (lambda: grouped_wgrad(dh, x, sched, dw1, config=clamped),
+                                            2 * routed * n1 * H)
     out = {}
     for name, (fn, flops) in kernels.items():
         fn()
         ms = do_bench_ms(fn)
         out[name] = {"ms": ms, "tflops": flops / ms / 1e9, "of_peak": flops / ms / 1e9 / peak_tflops}
+    return out
+
+
+def bench_determinism(shape: Shape, inputs) -> Dict[str, float]:
+    """What ``deterministic=True`` costs: fused fwd+bwd with router probs (whose gradient is the only
+    reduction that uses atomics; bias gradients are always summed in order), atomics vs ordered."""
+    from .ops import fused_moe_mlp
+
+    x = inputs["x"].clone().requires_grad_(True)
+    w1 = inputs["w1"].clone().requires_grad_(True)
+    w2 = inputs["w2"].clone().requires_grad_(True)
+    probs = torch.rand(x.shape[0], device=x.device, dtype=torch.float32).add_(0.05).requires_grad_(True)
+    counts, dy = inputs["counts"], inputs["dy"]
+    params = [x, w1, w2, probs]
+    out = {}
+    for label, deterministic in (("atomic", False), ("deterministic", True)):
+        def fwd_bwd():
+            fused_moe_mlp(x, counts, w1, w2, activation=shape.activation, probs=probs, backend="triton",
+                          deterministic=deterministic).backward(dy)
+
+        fwd_bwd()
+        out[f"fwd_bwd_ms_{label}"] = do_bench_ms(fwd_bwd, grad_to_none=params)
+    out["cost"] = out["fwd_bwd_ms_deterministic"] / out["fwd_bwd_ms_atomic"]
     return out
 
 
@@ -257,6 +306,7 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
             (y_fused[:routed] - y_unfused[:routed]).norm() / y_unfused[:routed].norm().clamp_min(1e-30))
         entry["speedup"] = {k: entry["unfused"][f"{k}_ms"] / entry["triton"][f"{k}_ms"]
                             for k in ("fwd", "bwd", "fwd_bwd")}
+        entry["determinism"] = bench_determinism(shape, inputs)
         if kernels:
             entry["kernels"] = bench_kernels(shape, inputs, peak)
         report["shapes"][name] = entry
@@ -272,14 +322,15 @@ def summary_table(report: Dict) -> str:
     lines = [f"{report['gpu']}  torch {report['torch']}  triton {report['triton']}  "
              f"peak bf16 {peak:.0f} TFLOP/s  copy {report['ceilings']['d2d_copy_tbps']:.2f} TB/s",
              f"{'shape':16} {'unf fwd+bwd':>11} {'ours fwd+bwd':>12} {'x fwd':>6} {'x bwd':>6} {'x f+b':>6} "
-             f"{'TFLOP/s':>8} {'of peak':>7} {'FC1':>6} {'mem unf/ours GiB':>17} {'err':>8}"]
+             f"{'TFLOP/s':>8} {'of peak':>7} {'FC1':>6} {'mem unf/ours GiB':>17} {'err':>8} {'determ':>6}"]
     for name, e in report["shapes"].items():
         fc1 = e.get("kernels", {}).get("fc1_glu", {}).get("of_peak", float("nan"))
         lines.append(
             f"{name:16} {e['unfused']['fwd_bwd_ms']:9.2f}ms {e['triton']['fwd_bwd_ms']:10.2f}ms "
             f"{e['speedup']['fwd']:6.2f} {e['speedup']['bwd']:6.2f} {e['speedup']['fwd_bwd']:6.2f} "
             f"{e['triton']['fwd_bwd_tflops']:8.0f} {e['triton']['fwd_bwd_of_peak']:7.0%} {fc1:6.0%} "
-            f"{e['unfused']['peak_mem_gib']:8.2f}/{e['triton']['peak_mem_gib']:<8.2f} {e['rel_err_vs_unfused']:8.1e}")
+            f"{e['unfused']['peak_mem_gib']:8.2f}/{e['triton']['peak_mem_gib']:<8.2f} {e['rel_err_vs_unfused']:8.1e} "
+            f"{e.get('determinism', {}).get('cost', float('nan')):6.3f}")
     return "\n".join(lines)
 
 
