@@ -16,7 +16,7 @@ cat "$OUT/env.txt"
 for step in $STEPS; do
   case $step in
     tests)
-      timeout ${TESTS_TIMEOUT:-170} python -m pytest -m gpu tests/gpu/test_triton_gpu.py -q -x -p no:cacheprovider \
+      timeout ${TESTS_TIMEOUT:-170} python -m pytest -m gpu tests/gpu/test_triton_gpu.py -q -p no:cacheprovider \
         > "$OUT/pytest_triton_gpu.log" 2>&1
       echo "pytest exit $?"; tail -5 "$OUT/pytest_triton_gpu.log";;
     reliability)  # the team's reliability tests also drive backend='triton'
