@@ -1,0 +1,190 @@
+"""The autograd Function of the FP8 block recipe on the Triton backend.
+
+Forward (3 kernels; weights come from the per-step :data:`~.quantize.WEIGHT_CACHE`):
+  quantize x (rowwise for FC1, columnwise for w1's wgrad) -> FC1 (+b1, act, x probs; h saved;
+  ``a`` written quantized rowwise + columnwise by the epilogue) -> FC2 (+b2) -> y.
+Backward (up to 6 kernels):
+  quantize dy (rowwise for the dgrad, columnwise for w2's wgrad) -> FC2 dgrad with the dGLU epilogue
+  (``dh`` quantized rowwise + columnwise, dprob partials, db1 per-tile sums) -> FC1 dgrad (dx) ->
+  wgrad of w2 and of w1 (FP8, per-token-block scales of both operands) -> db2, db1.
+
+Every GEMM operand is quantized along that GEMM's reduction axis as the reference backend emulates
+it (``te_fused_moe/backends/reference/gemm.py``): fprop x and w along K, dgrad grad and w along N,
+wgrad grad and x along the tokens (blocks restarting at each expert's first row). ``a`` and ``dh``
+are quantized from their FP32 values. Differences from the reference: the order of FP32 sums (and
+the FP8 wgmma's own accumulation inside one 128-block on the GPU), which can move a value that sits
+next to an FP8 rounding boundary (or an amax next to a power of two) by one FP8 step; and ``h`` is
+saved in ``H_DTYPE`` (default: x's dtype, as TE saves the GLU input; the reference keeps it in FP32),
+so ``dh`` sees ``h`` rounded to BF16.
+
+Sync-free: no host reads of device data, no data-dependent shapes (buffers sized for the worst case).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from ..schedule import build_schedule
+from ..wgrad import bias_grad_kernel
+from ..grouped_gemm import interpreting
+from . import gemm
+from .quantize import BLOCK, FP8Spec, QuantizedRows, WEIGHT_CACHE, new_transposed, quantize_rows
+from .wgrad import fp8_grouped_wgrad, tile_sums_to_experts
+
+# dtype of the saved FC1 output h (None: x's dtype). Tests set torch.float32 to compare with the reference.
+H_DTYPE: Optional[torch.dtype] = None
+# Allocator of every kernel buffer (tests replace it to poison buffers with NaN).
+ALLOC = torch.empty
+
+
+def _new(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+def _new_rows(num_rows: int, width: int, like: torch.Tensor, spec: FP8Spec, num_experts: int, rowwise: bool,
+              colwise: bool) -> QuantizedRows:
+    """Buffers of a quantized activation that a GEMM epilogue fills."""
+    from ..schedule import max_m_tiles
+
+    q = QuantizedRows()
+    if rowwise:
+        q.data = _new((num_rows, width), like, spec.torch_dtype)
+        q.scale = _new((num_rows, width // BLOCK), like, torch.float32)
+    if colwise:
+        q.data_t = new_transposed(width, num_rows, like, spec.torch_dtype, ALLOC)
+        q.scale_t = _new((max_m_tiles(num_rows, num_experts, BLOCK), width), like, torch.float32)
+    return q
+
+
+class TritonFP8BlockExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, spec):
+        need = ctx.needs_input_grad
+        num_rows, hidden = x.shape
+        num_experts, n1, _ = w1.shape
+        ffn = w2.shape[2]
+        gated = activation.gated
+        act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=gated)
+        y = _new((num_rows, hidden), x)
+        ctx.act, ctx.spec = act, spec
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        if num_rows == 0:
+            ctx.empty = True
+            ctx.save_for_backward(x, w1, w2, probs)
+            return y
+        ctx.empty = False
+        schedule = build_schedule(tokens_per_expert, num_rows, BLOCK)
+        w1q = WEIGHT_CACHE.get(w1, spec)
+        w2q = WEIGHT_CACHE.get(w2, spec)
+        need_dw1 = need[2]
+        xq = quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need_dw1, alloc=ALLOC)
+        h = _new((num_rows, n1), x, H_DTYPE or x.dtype)
+        aq = _new_rows(num_rows, ffn, x, spec, num_experts, rowwise=True, colwise=need[3])
+        gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, ffn, schedule, num_experts, spec, q=aq, h=h,
+                    h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs, **act)
+        gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, hidden, schedule, num_experts, spec, c=y, bias=b2)
+        ctx.save_for_backward(x, w1, w2, probs, h, tokens_per_expert)
+        ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+        ctx.x_cols = QuantizedRows(data_t=xq.data_t, scale_t=xq.scale_t)
+        ctx.a_cols = QuantizedRows(data_t=aq.data_t, scale_t=aq.scale_t)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, spec
+        if ctx.empty:
+            x, w1, w2, probs = ctx.saved_tensors
+            zeros = lambda t, n: torch.zeros_like(t) if n else None
+            return (zeros(x, need[0]), None, zeros(w1, need[2]), zeros(w2, need[3]),
+                    torch.zeros((w1.shape[0], w1.shape[1]), device=x.device, dtype=x.dtype) if need[4] else None,
+                    torch.zeros((w1.shape[0], x.shape[1]), device=x.device, dtype=x.dtype) if need[5] else None,
+                    zeros(probs, need[6]) if probs is not None else None, None, None)
+        x, w1, w2, probs, h, _counts = ctx.saved_tensors
+        spec, schedule = ctx.spec, ctx.schedule
+        dy = dy.contiguous()
+        num_rows, hidden = x.shape
+        num_experts, n1, _ = w1.shape
+        ffn = w2.shape[2]
+        want_dprob = probs is not None and need[6]
+        need_dact = need[0] or need[2] or need[4] or want_dprob
+        dx = dw1 = dw2 = db1 = db2 = dprobs = None
+
+        dyq = quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=ALLOC)
+        dhq = None
+        if need_dact:
+            dhq = _new_rows(num_rows, n1, x, spec, num_experts, rowwise=need[0], colwise=need[2])
+            cfg = gemm.default_config("dact")
+            dprob_buf = _new((triton.cdiv(ffn, cfg.block_n), num_rows), x, torch.float32) if want_dprob else None
+            dbias_buf = _new((_max_tiles(num_rows, num_experts), n1), x, torch.float32) if need[4] else None
+            gemm.launch("dact", dyq.data, dyq.scale, ctx.w2q.data_t, ctx.w2q.scale_t, ffn, schedule, num_experts,
+                        spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
+                        dbias=dbias_buf, config=cfg, **ctx.act)
+            if want_dprob:
+                dprobs = dprob_buf.sum(0).to(probs.dtype)
+            if need[4]:
+                db1 = _new((num_experts, n1), x)
+                tile_sums_to_experts(dbias_buf, schedule, db1)
+        if need[0]:
+            dx = _new((num_rows, hidden), x)
+            gemm.launch("dgrad", dhq.data, dhq.scale, ctx.w1q.data_t, ctx.w1q.scale_t, hidden, schedule, num_experts,
+                        spec, c=dx)
+        if need[3]:
+            dw2 = _new(w2.shape, w2)
+            fp8_grouped_wgrad(QuantizedRows(data_t=dyq.data_t, scale_t=dyq.scale_t), ctx.a_cols, schedule, dw2)
+        if need[5]:
+            db2 = _new((num_experts, hidden), x)
+            block_n, block_m = (32, 16) if interpreting() else (128, 64)
+            bias_grad_kernel[(triton.cdiv(hidden, block_n), num_experts)](
+                dy, dy.stride(0), db2, db2.stride(0), schedule, hidden, num_experts + 1,
+                UPCAST=interpreting(), BN=block_n, BM=block_m, num_warps=4,
+            )
+        if need[2]:
+            dw1 = _new(w1.shape, w1)
+            fp8_grouped_wgrad(QuantizedRows(data_t=dhq.data_t, scale_t=dhq.scale_t), ctx.x_cols, schedule, dw1)
+        return dx, None, dw1, dw2, db1, db2, dprobs, None, None
+
+
+def _max_tiles(num_rows: int, num_experts: int) -> int:
+    from ..schedule import max_m_tiles
+
+    return max_m_tiles(num_rows, num_experts, BLOCK)
+
+
+def spec_of(recipe) -> FP8Spec:
+    """The kernels' FP8 spec of a supported Float8BlockScaling (see ``supports_fp8_block``)."""
+    return FP8Spec.of(recipe.fp8_format.for_role("x"), pow2=not recipe.use_f32_scales)
+
+
+def supports_fp8_block(recipe) -> Optional[str]:
+    """None if the Triton FP8 path implements ``recipe``, else the reason."""
+    from ....recipes import Format
+
+    ok = (recipe.fp8_format is Format.E4M3 and recipe.x_block_scaling_dim == 1 and recipe.w_block_scaling_dim == 2
+          and recipe.grad_block_scaling_dim == 1)
+    if ok:
+        return None
+    return ("backend='triton' implements Float8BlockScaling with fp8_format=E4M3, x_block_scaling_dim=1, "
+            "w_block_scaling_dim=2, grad_block_scaling_dim=1 (power-of-2 or FP32 scales) only, got "
+            f"fp8_format={recipe.fp8_format.name}, x_block_scaling_dim={recipe.x_block_scaling_dim}, "
+            f"w_block_scaling_dim={recipe.w_block_scaling_dim}, grad_block_scaling_dim={recipe.grad_block_scaling_dim} "
+            "(use backend='reference')")
+
+
+def check_shapes(hidden: int, ffn: int) -> Optional[str]:
+    """None if the FP8 block kernels take these sizes (whole 128-blocks along every reduction)."""
+    if hidden % BLOCK:
+        return (f"w1: backend='triton' with Float8BlockScaling needs the hidden size to be a multiple of {BLOCK}, "
+                f"got {hidden}; use backend='reference'")
+    if ffn % BLOCK:
+        return (f"w2: backend='triton' with Float8BlockScaling needs the FFN size to be a multiple of {BLOCK}, "
+                f"got {ffn}; use backend='reference'")
+    return None
+
+
+def fp8_block_expert_mlp(args) -> torch.Tensor:
+    """Entry from the backend (``ExpertMLPArgs``)."""
+    return TritonFP8BlockExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2,
+                                         args.probs, args.activation, spec_of(args.recipe))

@@ -1,0 +1,62 @@
+"""FP8 block-scaling arithmetic as Triton device functions: block scale from amax, and the
+FP32 -> FP8 encoding, both exactly as :mod:`te_fused_moe.quantize.fp8_block` defines them (TE's rules).
+
+The encoding is done on the FP32 bits (round to nearest even, satfinite, NaN -> 0x7F) instead of a
+``.to(tl.float8e4nv)`` cast: Triton 3.6's CPU interpreter rounds that cast differently from the
+GPU's ``cvt.rn.satfinite`` (a few bytes in 256 off by one ulp), and the bit path is the same
+arithmetic on both, so kernel bytes can be checked bit-exactly on the CPU too. It costs ~20 integer
+ops per element, in epilogues that are far from ALU-bound.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def nan_free_abs(v):
+    """|v| with NaN read as 0 (CUDA ``fmaxf`` amax semantics: NaN never wins a max)."""
+    a = tl.abs(v)
+    return tl.where(a == a, a, 0.0)
+
+
+@triton.jit
+def block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr, value_for_inf):
+    """Quantization multiplier ``fp8_max / amax`` (TE's ``compute_scale_from_amax``) and the
+    stored dequantization scale (its reciprocal). ``amax`` is NaN-free and >= 0."""
+    degenerate = (amax == 0.0) | (amax == float("inf"))
+    safe = tl.where(degenerate, 1.0, amax)
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe)
+    scale = tl.where(scale == float("inf"), value_for_inf, scale)
+    scale = tl.where(degenerate, 1.0, scale)
+    if POW2:  # clear the mantissa: round the scale down to a power of two
+        scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
+    inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+    return scale, inv
+
+
+@triton.jit
+def encode_fp8(v, MANT: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """uint8 code of FP32 ``v`` in the FP8 format with ``MANT`` mantissa bits and exponent ``BIAS``
+    (E4M3: 3, 7, 448; E5M2: 2, 15, 57344): nearest, ties to even, satfinite, NaN -> 0x7F, sign of
+    zero kept."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    is_nan = v != v
+    a = tl.minimum(tl.abs(v), FP8_MAX)  # satfinite; NaN handled by is_nan
+    a = tl.where(is_nan, 0.0, a)
+    abits = a.to(tl.uint32, bitcast=True)
+    exp32 = (abits >> 23).to(tl.int32)  # biased FP32 exponent
+    SHIFT: tl.constexpr = 23 - MANT
+    # normal in FP8: drop SHIFT mantissa bits with round-to-nearest-even (a carry bumps the exponent)
+    rounded = (abits + ((1 << (SHIFT - 1)) - 1) + ((abits >> SHIFT) & 1)) >> SHIFT
+    normal_code = rounded.to(tl.int32) - ((127 - BIAS) << MANT)
+    # subnormal in FP8 (exponent below 1 - BIAS): integer multiple of 2^(1 - BIAS - MANT), RNE
+    sig = (abits & 0x7FFFFF) | 0x800000
+    s = tl.minimum(tl.maximum(SHIFT + (1 - BIAS) - (exp32 - 127), 1), 31).to(tl.uint32)  # only used when > SHIFT
+    half = (tl.full(s.shape, 1, tl.uint32) << (s - 1)) - 1
+    sub_code = ((sig + half + ((sig >> s) & 1)) >> s).to(tl.int32)
+    code = tl.where(exp32 - 127 >= 1 - BIAS, normal_code, sub_code)
+    code = tl.where(exp32 == 0, 0, code)  # FP32 zero/subnormal inputs round to zero
+    code = code | sign.to(tl.int32)
+    code = tl.where(is_nan, 0x7F, code)
+    return code.to(tl.uint8)

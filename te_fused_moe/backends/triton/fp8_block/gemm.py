@@ -1,0 +1,300 @@
+"""FP8 grouped GEMMs with per-128-K-block scale promotion and the quantizing MoE epilogues.
+
+``C[rows of expert e] = A_e @ B_e^T`` with ``A`` [T, K] FP8 rowwise (1x128 scales ``sa`` [T, K/128])
+and ``B_e`` [N, K] FP8, K-major, in 128x128 tiles (scales ``sb`` [E, N/128, K/128]). Every K step is
+one 128-wide scale block: ``acc += dot(a, b^T) * sa[:, None] * sb[None, :]`` with the FP32 ``acc``
+outside the dot (DeepGEMM's promotion; Hopper's FP8 wgmma accumulates with reduced precision, so
+its partial sums never run longer than one block).
+
+Modes (``MODE``):
+
+- ``PLAIN``: ``C = A @ B^T (+ bias)`` in the output dtype: FC2 forward (``a_q``, ``w2``), FC1 dgrad
+  (``dh_q``, ``w1^T``).
+- ``FC1``: ``h = x_q @ w1^T + b1`` (saved, in ``h``'s dtype), ``a = act(h) * p`` quantized from its
+  FP32 value: rowwise (FC2's fprop operand) and columnwise, transposed (FC2's wgrad operand), with
+  the amax taken in the epilogue (no extra pass).
+- ``DACT``: ``da = dy_q @ (w2^T)^T``; ``dh = d act(h) * (da * p)`` quantized likewise (rowwise for FC1
+  dgrad, columnwise for w1's wgrad); ``dprob`` partial row sums of ``da * act(h)`` (one per N tile,
+  summed later in a fixed order) and, with ``WRITE_DBIAS``, per-tile column sums of the FP32 ``dh``
+  (for ``db1``).
+
+The quantizing modes need ``BM = BN = 128`` and tiles that start at each expert's first row (the
+schedule with ``block_m = 128``): a tile's rows are then exactly one columnwise block (one expert's
+128 tokens) and its 128 columns one rowwise block. Numerics are the reference backend's
+quantize->dequantize emulation up to the order of the FP32 sums (and the reduced precision of the
+FP8 wgmma inside one 128-block on the GPU); quantized outputs use :mod:`.codec`, bit-exact with
+:mod:`te_fused_moe.quantize.fp8_block` on the same FP32 values.
+
+Interpreter: ``UPCAST`` (``TRITON_INTERPRET=1`` only) converts the FP8 tiles to FP32 before the dot;
+products of FP8 values are exact in FP32, so this changes nothing but the summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..act_math import ACT_IDS, act_backward, act_forward, to_output
+from ..grouped_gemm import interpreting
+from ..schedule import max_m_tiles
+from .codec import block_scale, encode_fp8, nan_free_abs
+from .quantize import BLOCK, FLOAT32_MAX, FP8Spec
+
+MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
+# Tests flip this to cover the pointer-load path under the interpreter as well.
+USE_TMA_DEFAULT = True
+
+
+@dataclass(frozen=True)
+class FP8GemmConfig:
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    use_tma: bool = True
+
+
+def default_config(kind: str) -> FP8GemmConfig:
+    """BM = BK = 128 always (token blocks, scale blocks). FC1/DACT: BN = 128 (one rowwise block per
+    tile; gated FC1 keeps a second 128-wide accumulator for the up half). The plain GEMMs take
+    BN = 256 on the GPU (N = H is wide)."""
+    if interpreting():
+        return FP8GemmConfig(block_n=128, group_m=2, num_warps=4, num_stages=1)
+    if kind in ("fc1", "dact"):
+        return FP8GemmConfig(block_n=128, num_stages=3)
+    if kind in ("fc2", "dgrad"):
+        return FP8GemmConfig(block_n=256, num_stages=3)
+    raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
+
+
+@triton.jit
+def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr, stride_qtn,
+                     qts_ptr, stride_qtst, value_for_inf, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """Quantize the FP32 tile ``v`` [128 rows, 128 columns ``cols``]: rowwise (one block per row)
+    and/or columnwise over the valid rows (one block per column), the latter stored transposed."""
+    mask = row_ok[:, None]
+    if ROWWISE:
+        scale, inv = block_scale(tl.max(nan_free_abs(v), axis=1), FP8_MAX, POW2, value_for_inf)
+        codes = encode_fp8(v * scale[:, None], MANT, EBIAS, FP8_MAX)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+        tl.store(qs_ptr + rows64 * stride_qsm + tl.min(cols, axis=0) // 128, inv, mask=row_ok)
+    if COLWISE:
+        amax_c = tl.max(tl.where(mask, nan_free_abs(v), 0.0), axis=0)
+        scale_c, inv_c = block_scale(amax_c, FP8_MAX, POW2, value_for_inf)
+        codes_c = encode_fp8(v * scale_c[None, :], MANT, EBIAS, FP8_MAX)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + rows64[None, :], tl.trans(codes_c),
+                 mask=row_ok[None, :])
+        tl.store(qts_ptr + tile * stride_qtst + cols, inv_c)
+
+
+@triton.jit
+def fp8_grouped_gemm_kernel(
+    a_src, stride_am, as_ptr, stride_asm,
+    b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS, b_up_rows,
+    c_ptr, stride_cm,
+    q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr, stride_qtn, qts_ptr, stride_qtst, q_up_offset,
+    h_ptr, stride_hm, h_up_offset,
+    bias_ptr, stride_bias_e, bias_up_offset,
+    probs_ptr, dprob_ptr, stride_dprob_part,
+    dbias_ptr, stride_dbias_t,
+    sched_ptr,
+    T, N, K, alpha, limit, value_for_inf, MAX_M_TILES, NUM_GROUPS,
+    MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BN)
+    pids_per_band = GROUP_M * num_pid_n
+    band = pid // pids_per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(MAX_M_TILES - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_band) % band_m
+    pid_n = (pid % pids_per_band) // band_m
+
+    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
+    if pid_m >= total_tiles:
+        return
+    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
+    is_padding = group == NUM_GROUPS - 1
+    expert = tl.minimum(group, NUM_GROUPS - 2)
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
+
+    a_row = row_start + (pid_m - tile_start) * BM
+    rows = a_row + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    rows_in = tl.minimum(rows, T - 1).to(tl.int64)  # scale loads (and pointer loads) stay in the tensor
+    cols_in = tl.minimum(cols, N - 1)
+    offs_k = tl.arange(0, BK)
+    b_row = expert * B_ROWS + pid_n * BN
+    e64 = expert.to(tl.int64)
+    sb_ptrs = bs_ptr + e64 * stride_bse + (cols_in // 128) * stride_bsn
+    if not USE_TMA:
+        a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    if GATED and MODE == 1:
+        sb_up_ptrs = sb_ptrs + (b_up_rows // 128) * stride_bsn
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if GATED and MODE == 1:
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    k_tiles = tl.where(is_padding, 0, K // BK)
+    for kt in range(0, k_tiles):
+        k0 = kt * BK
+        if USE_TMA:
+            a = a_src.load([a_row, k0])
+            b = b_src.load([b_row, k0])
+        else:
+            a = tl.load(a_ptrs + k0)
+            b = tl.load(b_ptrs + k0)
+        sa = tl.load(as_ptr + rows_in * stride_asm + kt)
+        sb = tl.load(sb_ptrs + kt * stride_bsk)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if GATED and MODE == 1:
+            if USE_TMA:
+                b_up = b_src.load([b_row + b_up_rows, k0])
+            else:
+                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+            sb_up = tl.load(sb_up_ptrs + kt * stride_bsk)
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
+
+    # --- epilogue, FP32
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    bias_mask = col_ok & (group < NUM_GROUPS - 1)
+    if MODE == 0:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(acc, c_ptr.dtype.element_ty, UPCAST),
+                 mask=out_mask)
+    elif MODE == 1:
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+            if GATED:
+                bias_up = tl.load(bias_ptr + expert * stride_bias_e + bias_up_offset + cols, mask=bias_mask, other=0.0)
+                acc_up += bias_up.to(tl.float32)[None, :]
+        tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        if GATED:
+            tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+            value = act_forward(acc, acc_up, alpha, limit, ACT)
+        else:
+            value = act_forward(acc, acc, alpha, limit, ACT)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+            value = value * p[:, None]
+        value = tl.where(is_padding, 0.0, value)
+        _store_quantized(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr,
+                         stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
+    else:
+        # acc = da, the gradient of act(h) * p
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            p = tl.full((BM,), 1.0, tl.float32)
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
+        else:
+            u = g
+        dg, du, value = act_backward(g, u, acc * p[:, None], alpha, limit, ACT)
+        if WRITE_DPROB:
+            part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)
+            tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
+        if WRITE_DBIAS:
+            db_ptrs = dbias_ptr + pid_m * stride_dbias_t + cols
+            tl.store(db_ptrs, tl.sum(tl.where(out_mask, dg, 0.0), axis=0), mask=col_ok)
+            if GATED:
+                tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
+        dg = tl.where(is_padding, 0.0, dg)
+        _store_quantized(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr,
+                         stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
+        if GATED:
+            du = tl.where(is_padding, 0.0, du)
+            _store_quantized(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm,
+                             qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
+                             FP8_MAX, POW2)
+
+
+def _tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides (K is a multiple of 128 here) and unit inner strides."""
+    return (a.stride(1) == 1 and b.is_contiguous() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+            and a.stride(0) % 16 == 0)
+
+
+def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
+           schedule: torch.Tensor, num_experts: int, spec: FP8Spec, *, c: Optional[torch.Tensor] = None,
+           q=None, q_up_offset: int = 0, h: Optional[torch.Tensor] = None, h_up_offset: int = 0,
+           b_up_rows: int = 0, bias: Optional[torch.Tensor] = None, bias_up_offset: int = 0,
+           probs: Optional[torch.Tensor] = None, dprob: Optional[torch.Tensor] = None,
+           dbias: Optional[torch.Tensor] = None, activation: str = "swiglu", alpha: float = 1.702,
+           limit: float = 7.0, gated: bool = False, config: Optional[FP8GemmConfig] = None):
+    """One FP8 grouped GEMM. ``a`` [T, K] FP8 + ``a_scale`` [T, K/128]; ``b`` [E, rows, K] FP8 K-major
+    (contiguous) + ``b_scale`` [E, rows/128, K/128] (any strides); ``n`` output columns (the gate
+    half for gated FC1/DACT). ``q`` (FC1/DACT): a :class:`~.quantize.QuantizedRows` whose present
+    copies are written. ``dprob``: FP32 ``[cdiv(n, BN), T]`` partials; ``dbias``: FP32
+    ``[max_m_tiles, width]`` per-tile column sums of ``dh``."""
+    mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
+    cfg = config or default_config(kind)
+    num_rows, k = a.shape
+    if k % BLOCK or n % BLOCK:
+        raise ValueError(f"FP8 block GEMM: K={k} and N={n} must be multiples of {BLOCK}")
+    if mode != MODE_PLAIN and cfg.block_n != BLOCK:
+        raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")
+    m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
+    grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
+    b_rows = b.shape[1]
+    use_tma = cfg.use_tma and USE_TMA_DEFAULT and _tma_allowed(a, b)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_src = TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [BLOCK, BLOCK])
+        b_src = TensorDescriptor(b, [b.shape[0] * b_rows, k], [k, 1], [cfg.block_n, BLOCK])
+    else:
+        a_src, b_src = a, b
+    dummy_f = a_scale
+    rowwise = q is not None and q.data is not None
+    colwise = q is not None and q.data_t is not None
+    q_data = q.data.view(torch.uint8) if rowwise else (q.data_t.view(torch.uint8) if colwise else a.view(torch.uint8))
+    qt_data = q.data_t.view(torch.uint8) if colwise else q_data
+    return fp8_grouped_gemm_kernel[grid](
+        a_src, a.stride(0), a_scale, a_scale.stride(0),
+        b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b_rows,
+        b_up_rows,
+        c if c is not None else dummy_f, c.stride(0) if c is not None else 0,
+        q_data, q.data.stride(0) if rowwise else 0, q.scale if rowwise else dummy_f, q.scale.stride(0) if rowwise else 0,
+        qt_data, q.data_t.stride(0) if colwise else 0, q.scale_t if colwise else dummy_f,
+        q.scale_t.stride(0) if colwise else 0, q_up_offset,
+        h if h is not None else dummy_f, h.stride(0) if h is not None else 0, h_up_offset,
+        bias if bias is not None else dummy_f, bias.stride(0) if bias is not None else 0, bias_up_offset,
+        probs if probs is not None else dummy_f, dprob if dprob is not None else dummy_f,
+        dprob.stride(0) if dprob is not None else 0,
+        dbias if dbias is not None else dummy_f, dbias.stride(0) if dbias is not None else 0,
+        schedule,
+        num_rows, n, k, float(alpha), float(limit), FLOAT32_MAX, m_tiles, num_experts + 1,
+        MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
+        HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
+        WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
+        **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,263 @@
+"""Triton quantize kernels of the FP8 block recipe, and the per-step weight cache.
+
+Layouts (what the FP8 GEMMs read; Hopper's FP8 wgmma wants both operands K-major):
+
+- rowwise activation/gradient ``data [T, K]`` (FP8) + ``scale [T, cdiv(K, 128)]`` (FP32, TE's
+  ``scale_inv``): 1x128 blocks along K, the operand of the fprop/dgrad GEMMs.
+- columnwise copy ``data_t [K, T]`` (FP8, stored transposed like TE's columnwise data, row stride
+  rounded up to 16 bytes) + ``scale_t [max_m_tiles, K]``: 1x128 blocks along the tokens that
+  restart at each expert's first row, i.e. one block per M tile of the device schedule built with
+  ``block_m = 128`` (``scale_t[tile]`` holds that tile's per-column scales). The operand of wgrad.
+- weights ``data [E, N, K]`` and ``data_t [E, K, N]`` (FP8) + ``scale [E, cdiv(N,128), cdiv(K,128)]``:
+  128x128 tiles, the same tiles for both GEMM directions, so the transposed copy's scales are
+  ``scale.transpose(1, 2)``.
+
+All rules (amax, scale, rounding) are those of :mod:`te_fused_moe.quantize.fp8_block`; see
+:mod:`.codec`. ``value_for_inf`` (the scale used when ``fp8_max / amax`` overflows) is the largest
+finite value of the *input* dtype there; the expert-MLP path passes FP32's, because the reference
+backend quantizes FP32 copies of its operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..grouped_gemm import interpreting
+from ..schedule import max_m_tiles
+from .codec import block_scale, encode_fp8, nan_free_abs
+
+BLOCK = 128
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Spec:
+    """An FP8 element format and the recipe's scale rounding, as the kernels' constexprs."""
+
+    torch_dtype: torch.dtype = torch.float8_e4m3fn
+    mant: int = 3
+    bias: int = 7
+    max_value: float = 448.0
+    pow2: bool = True
+
+    @staticmethod
+    def of(fmt: str, pow2: bool) -> "FP8Spec":
+        if fmt == "e4m3":
+            return FP8Spec(torch.float8_e4m3fn, 3, 7, 448.0, bool(pow2))
+        if fmt == "e5m2":
+            return FP8Spec(torch.float8_e5m2, 2, 15, 57344.0, bool(pow2))
+        raise ValueError(f"fmt: expected 'e4m3' or 'e5m2', got {fmt!r}")
+
+    def constexprs(self) -> dict:
+        return dict(MANT=self.mant, EBIAS=self.bias, FP8_MAX=self.max_value, POW2=self.pow2)
+
+
+def padded_row_stride(num_rows: int) -> int:
+    """Row stride (elements = bytes) of a transposed FP8 copy: ``T`` rounded up to 16 bytes, so that
+    every row starts 16-byte aligned (vectorised loads in wgrad)."""
+    return max(16, -(-num_rows // 16) * 16)
+
+
+def new_transposed(cols: int, num_rows: int, like: torch.Tensor, dtype: torch.dtype, alloc=torch.empty) -> torch.Tensor:
+    """``[cols, num_rows]`` view of a ``[cols, padded_row_stride(num_rows)]`` buffer."""
+    return alloc((cols, padded_row_stride(num_rows)), device=like.device, dtype=dtype)[:, :num_rows]
+
+
+@dataclasses.dataclass
+class QuantizedRows:
+    """An activation or gradient quantized for the expert GEMMs (layouts in the module doc)."""
+
+    data: Optional[torch.Tensor] = None  # [T, K] fp8
+    scale: Optional[torch.Tensor] = None  # [T, cdiv(K, 128)] fp32
+    data_t: Optional[torch.Tensor] = None  # [K, T] fp8 (row stride padded)
+    scale_t: Optional[torch.Tensor] = None  # [max_m_tiles, K] fp32
+
+
+@triton.jit
+def quantize_tiles_kernel(
+    x_ptr, stride_xm,
+    q_ptr, stride_qm, qs_ptr, stride_qsm,
+    qt_ptr, stride_qtk, qts_ptr, stride_qtst,
+    sched_ptr, K, value_for_inf, NUM_GROUPS,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    """One program per (schedule M tile, 128 columns): rowwise 1x128 blocks of the tile's rows and,
+    with ``COLWISE``, one 128-token block per column (the tile's rows are one expert's block)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
+    if pid_m >= total_tiles:
+        return
+    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
+    rows = row_start + (pid_m - tile_start) * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    row_ok = rows < row_end
+    col_ok = cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROWWISE:
+        scale, inv = block_scale(tl.max(nan_free_abs(x), axis=1), FP8_MAX, POW2, value_for_inf)
+        codes = encode_fp8(x * scale[:, None], MANT, EBIAS, FP8_MAX)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+        tl.store(qs_ptr + rows64 * stride_qsm + pid_k, inv, mask=row_ok)
+    if COLWISE:
+        scale_c, inv_c = block_scale(tl.max(nan_free_abs(x), axis=0), FP8_MAX, POW2, value_for_inf)
+        codes_c = encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + rows64[None, :], tl.trans(codes_c),
+                 mask=tl.trans(mask))
+        tl.store(qts_ptr + pid_m * stride_qtst + cols, inv_c, mask=col_ok)
+
+
+@triton.jit
+def quantize_weight_kernel(
+    w_ptr, stride_we, stride_wn,
+    q_ptr, qt_ptr, s_ptr, stride_se, stride_sn,
+    N, K, value_for_inf,
+    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    TRANSPOSED: tl.constexpr, BLK: tl.constexpr,
+):
+    """One 128x128 tile of ``w[e]`` [N, K]: ``q[e]`` [N, K], ``qt[e]`` [K, N] (both contiguous), one scale."""
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLK + tl.arange(0, BLK)
+    cols = pid_k * BLK + tl.arange(0, BLK)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    base = e.to(tl.int64) * stride_we
+    w = tl.load(w_ptr + base + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(nan_free_abs(w), axis=1), axis=0)
+    scale, inv = block_scale(tl.full((1,), 0.0, tl.float32) + amax, FP8_MAX, POW2, value_for_inf)
+    codes = encode_fp8(w * scale[:, None], MANT, EBIAS, FP8_MAX)
+    out = e.to(tl.int64) * N * K
+    tl.store(q_ptr + out + rows[:, None] * K + cols[None, :], codes, mask=mask)
+    if TRANSPOSED:
+        tl.store(qt_ptr + out + cols[:, None] * N + rows[None, :], tl.trans(codes), mask=tl.trans(mask))
+    tl.store(s_ptr + e * stride_se + pid_n * stride_sn + pid_k + tl.arange(0, 1), inv)
+
+
+def _codes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: FP8Spec, *, rowwise: bool = True,
+                  colwise: bool = False, value_for_inf: float = FLOAT32_MAX, alloc=torch.empty) -> QuantizedRows:
+    """Quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
+    rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert)."""
+    num_rows, k = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
+    out = QuantizedRows()
+    if num_rows == 0 or not (rowwise or colwise):
+        return out
+    kb = triton.cdiv(k, BLOCK)
+    m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
+    if rowwise:
+        out.data = alloc((num_rows, k), device=x.device, dtype=spec.torch_dtype)
+        out.scale = alloc((num_rows, kb), device=x.device, dtype=torch.float32)
+    if colwise:
+        out.data_t = new_transposed(k, num_rows, x, spec.torch_dtype, alloc)
+        out.scale_t = alloc((m_tiles, k), device=x.device, dtype=torch.float32)
+    dummy_q = _codes(out.data if rowwise else out.data_t)
+    dummy_s = out.scale if rowwise else out.scale_t
+    quantize_tiles_kernel[(m_tiles, kb)](
+        x, x.stride(0),
+        _codes(out.data) if rowwise else dummy_q, out.data.stride(0) if rowwise else 0,
+        out.scale if rowwise else dummy_s, out.scale.stride(0) if rowwise else 0,
+        _codes(out.data_t) if colwise else dummy_q, out.data_t.stride(0) if colwise else 0,
+        out.scale_t if colwise else dummy_s, out.scale_t.stride(0) if colwise else 0,
+        schedule, k, float(value_for_inf), num_experts + 1,
+        ROWWISE=rowwise, COLWISE=colwise, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
+        num_warps=4 if interpreting() else 8,
+    )
+    return out
+
+
+@dataclasses.dataclass
+class QuantizedWeight:
+    """``w [E, N, K]`` in 128x128 tiles: ``data`` [E, N, K], ``data_t`` [E, K, N], ``scale`` [E, Nb, Kb]."""
+
+    data: torch.Tensor
+    data_t: Optional[torch.Tensor]
+    scale: torch.Tensor
+
+    @property
+    def scale_t(self) -> torch.Tensor:
+        return self.scale.transpose(1, 2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.data_t, self.scale) if t is not None)
+
+
+def quantize_weight(w: torch.Tensor, spec: FP8Spec, *, transposed: bool = True,
+                    value_for_inf: float = FLOAT32_MAX, alloc=torch.empty) -> QuantizedWeight:
+    """Quantize ``w [E, N, K]`` with 128x128 tiles; also writes the transposed copy when asked."""
+    if w.dim() != 3 or w.stride(2) != 1:
+        raise ValueError(f"w: expected [E, N, K] with unit inner stride, got shape {tuple(w.shape)} strides {w.stride()}")
+    e, n, k = w.shape
+    data = alloc((e, n, k), device=w.device, dtype=spec.torch_dtype)
+    data_t = alloc((e, k, n), device=w.device, dtype=spec.torch_dtype) if transposed else None
+    scale = alloc((e, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)), device=w.device, dtype=torch.float32)
+    if w.numel():
+        quantize_weight_kernel[(e, triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK))](
+            w, w.stride(0), w.stride(1),
+            _codes(data), _codes(data_t) if transposed else _codes(data), scale, scale.stride(0), scale.stride(1),
+            n, k, float(value_for_inf), **spec.constexprs(), TRANSPOSED=transposed, BLK=BLOCK,
+            num_warps=4 if interpreting() else 8,
+        )
+    return QuantizedWeight(data, data_t, scale)
+
+
+class WeightCache:
+    """Quantized weights refreshed once per optimizer step, not per micro-batch (TE's behaviour).
+
+    A weight's quantized copy is reused while the tensor is unchanged: same object, same storage and
+    the same ``_version`` (every in-place update, e.g. ``optimizer.step()`` or ``copy_``, bumps it).
+    Only host-side metadata is read, so a lookup never waits for the GPU. Entries die with their
+    weight (weak keys). While a CUDA graph is being captured the weight is quantized inside the graph
+    and not cached: a replay after an optimizer step must see the new weights.
+    """
+
+    def __init__(self):
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._entries = WeakIdKeyDictionary()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, w: torch.Tensor, spec: FP8Spec, transposed: bool = True) -> QuantizedWeight:
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed)
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            entry = self._entries.get(w)
+            if entry is not None and entry[0] == key:
+                self.hits += 1
+                return entry[1]
+        self.misses += 1
+        with torch.no_grad():
+            q = quantize_weight(w.detach(), spec, transposed=transposed)
+        if not capturing:
+            self._entries[w] = (key, q)
+        return q
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cached FP8 copies (both layouts and scales)."""
+        return sum(entry[1].nbytes for entry in self._entries.values())
+
+
+WEIGHT_CACHE = WeightCache()

@@ -1,0 +1,133 @@
+"""FP8 weight gradients: ``dW[e] = G_e^T @ X_e`` reduced over expert ``e``'s tokens, from the
+columnwise (transposed) copies ``G^T`` [N, T] and ``X^T`` [K, T], 1x128 blocks along the tokens that
+restart at each expert's first row: one block per M tile of the schedule (``block_m = 128``), whose
+scales are ``scale_t[tile]``. Every step reduces one token block with its scales promoted in FP32:
+``acc += dot(g, x^T) * gs[:, None] * xs[None, :]``. Rows past the expert's end are masked to zero
+(they hold the next expert's tokens). Experts with no tokens store zeros.
+
+``db1`` comes from per-tile FP32 column sums of ``dh`` written by the DACT epilogue
+(:func:`tile_sums_to_experts`), summed per expert in a fixed order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..act_math import to_output
+from ..grouped_gemm import interpreting
+from .quantize import BLOCK, QuantizedRows
+
+
+@dataclass(frozen=True)
+class FP8WgradConfig:
+    block_n: int = 128
+    block_k: int = 128
+    group_n: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_config() -> FP8WgradConfig:
+    if interpreting():
+        return FP8WgradConfig(group_n=2, num_warps=4, num_stages=1)
+    return FP8WgradConfig()
+
+
+@triton.jit
+def fp8_wgrad_kernel(
+    g_ptr, stride_gn, gs_ptr, stride_gst,
+    x_ptr, stride_xk, xs_ptr, stride_xst,
+    dw_ptr, stride_dw_e, stride_dw_n,
+    sched_ptr, N, K, NUM_GROUPS,
+    UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BN)
+    num_pid_k = tl.cdiv(K, BK)
+    pids_per_band = GROUP_N * num_pid_k
+    band = pid // pids_per_band
+    first_n = band * GROUP_N
+    band_n = tl.minimum(num_pid_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % pids_per_band) % band_n
+    pid_k = (pid % pids_per_band) // band_n
+
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + expert)
+    tile_end = tl.load(sched_ptr + 1 * NUM_GROUPS + expert)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + expert)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + expert)
+
+    cols_n = pid_n * BN + tl.arange(0, BN)
+    cols_k = pid_k * BK + tl.arange(0, BK)
+    n_in = tl.minimum(cols_n, N - 1)
+    k_in = tl.minimum(cols_k, K - 1)
+    toks = tl.arange(0, BT)
+    g_ptrs = g_ptr + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
+    x_ptrs = x_ptr + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for t in range(tile_start, tile_end):
+        r0 = row_start + (t - tile_start) * BT
+        ok = (r0 + toks) < row_end
+        g = tl.load(g_ptrs + r0, mask=ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + r0, mask=ok[None, :], other=0.0)
+        gs = tl.load(gs_ptr + t * stride_gst + n_in)
+        xs = tl.load(xs_ptr + t * stride_xst + k_in)
+        if UPCAST:
+            g = g.to(tl.float32)
+            x = x.to(tl.float32)
+        acc += tl.dot(g, tl.trans(x)) * (gs[:, None] * xs[None, :])
+
+    mask = (cols_n < N)[:, None] & (cols_k < K)[None, :]
+    dw_ptrs = dw_ptr + expert.to(tl.int64) * stride_dw_e + cols_n.to(tl.int64)[:, None] * stride_dw_n + cols_k[None, :]
+    tl.store(dw_ptrs, to_output(acc, dw_ptr.dtype.element_ty, UPCAST), mask=mask)
+
+
+def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor, dw: torch.Tensor,
+                      config: Optional[FP8WgradConfig] = None) -> None:
+    """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
+    num_experts, n, k = dw.shape
+    if g.data_t is None or x.data_t is None:
+        raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t)")
+    if tuple(g.data_t.shape[:1]) != (n,) or tuple(x.data_t.shape[:1]) != (k,):
+        raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}^T, x {tuple(x.data_t.shape)}^T")
+    cfg = config or default_config()
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
+    fp8_wgrad_kernel[grid](
+        g.data_t, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0),
+        x.data_t, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0),
+        dw, dw.stride(0), dw.stride(1),
+        schedule, n, k, num_experts + 1,
+        UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=BLOCK, GROUP_N=cfg.group_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@triton.jit
+def tile_sum_kernel(part_ptr, stride_pt, out_ptr, stride_oe, sched_ptr, N, NUM_GROUPS,
+                    UPCAST: tl.constexpr, BN: tl.constexpr):
+    """``out[e, cols] = sum over expert e's tiles t (in order) of part[t, cols]``."""
+    pid_n = tl.program_id(0)
+    expert = tl.program_id(1)
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + expert)
+    tile_end = tl.load(sched_ptr + 1 * NUM_GROUPS + expert)
+    cols = pid_n * BN + tl.arange(0, BN)
+    ok = cols < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for t in range(tile_start, tile_end):
+        acc += tl.load(part_ptr + t * stride_pt + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + expert * stride_oe + cols, to_output(acc, out_ptr.dtype.element_ty, UPCAST), mask=ok)
+
+
+def tile_sums_to_experts(partials: torch.Tensor, schedule: torch.Tensor, out: torch.Tensor) -> None:
+    """Per-expert sums (``out`` [E, N]) of the per-tile partials [max_m_tiles, N]."""
+    num_experts, n = out.shape
+    block_n = 128 if interpreting() else 512
+    tile_sum_kernel[(triton.cdiv(n, block_n), num_experts)](
+        partials, partials.stride(0), out, out.stride(0), schedule, n, num_experts + 1,
+        UPCAST=interpreting(), BN=block_n, num_warps=4,
+    )
