@@ -191,5 +191,5 @@ def fused_moe_mlp(
         deterministic=deterministic,
     )
     validate_inputs(args)
-    chosen = select_backend(backend, x.device, activation, args.recipe, x.dtype)
+    chosen = select_backend(backend, x.device, activation, args.recipe, x.dtype, args=args)
     return chosen.forward(args)

@@ -49,10 +49,22 @@ def explain(device: torch.device, activation, recipe, dtype) -> List[Tuple[str, 
     return report
 
 
-def select_backend(name: str, device: torch.device, activation, recipe, dtype) -> Backend:
-    """Resolve ``name`` (or ``"auto"``) to a backend that can run, or raise saying why not."""
+def _supports_args(backend: Backend, args) -> Availability:
+    """A backend's optional shape check of one call (``supports_args``); passes when either is absent."""
+    check = getattr(backend, "supports_args", None)
+    if args is None or check is None:
+        return Availability(True)
+    return check(args)
+
+
+def select_backend(name: str, device: torch.device, activation, recipe, dtype, args: ExpertMLPArgs = None) -> Backend:
+    """Resolve ``name`` (or ``"auto"``) to a backend that can run, or raise saying why not.
+
+    With ``args`` (the call's validated inputs) backends may also refuse shapes they do not
+    implement: ``auto`` then moves on to the next backend."""
     if name == "auto":
         report = explain(device, activation, recipe, dtype)
+        report = [(n, v if not v else _supports_args(get_backend(n), args)) for n, v in report]
         for backend_name, verdict in report:
             if verdict:
                 if backend_name == "reference" and device.type == "cuda":
@@ -71,6 +83,8 @@ def select_backend(name: str, device: torch.device, activation, recipe, dtype) -
     if not verdict:
         raise RuntimeError(f"backend={name!r} cannot run on {device}: {verdict.reason}")
     verdict = backend.supports(activation, recipe, dtype)
+    if verdict:
+        verdict = _supports_args(backend, args)
     if not verdict:
         raise ValueError(f"backend={name!r} does not support this call: {verdict.reason}")
     return backend

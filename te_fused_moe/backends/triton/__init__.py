@@ -2,7 +2,9 @@
 
 Modules: ``schedule`` (device-side tile schedule), ``act_math`` (activation math in Triton),
 ``grouped_gemm`` (FC1/FC2/dgrad kernels with epilogues), ``wgrad`` (variable-K grouped GEMM with
-fused bias gradients), ``autograd`` (the ``torch.autograd.Function``).
+fused bias gradients), ``autograd`` (the ``torch.autograd.Function``); ``fp8_block/`` the same MLP
+for the FP8 block recipe (``Float8BlockScaling``: FP8 wgmma with per-128-block scale promotion,
+quantizing epilogues).
 
 On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
 """
@@ -57,9 +59,18 @@ class TritonBackend(Backend):
                 False, f"backend='triton' needs bfloat16 or float16 tensors, got {dtype} (use backend='reference')"
             )
         recipe_name = getattr(recipe, "name", None) or type(recipe).__name__
-        if not _is_bf16_recipe(recipe):
+        if _is_fp8_block_recipe(recipe):
+            from .fp8_block.autograd import supports_fp8_block
+
+            reason = supports_fp8_block(recipe)
+            if reason is not None:
+                return Availability(False, reason)
+        elif not _is_bf16_recipe(recipe):
             return Availability(
-                False, f"backend='triton' implements the bf16 recipe only so far, got {recipe_name}"
+                False,
+                f"backend='triton' implements the bf16 and fp8_block (Float8BlockScaling) recipes, got {recipe_name} "
+                f"(MXFP8/NVFP4 on Hopper are planned: FP8 wgmma over expanded block scales; use backend='reference', "
+                f"or backend='cudnn' on SM100+ for mxfp8)",
             )
         from .act_math import ACT_IDS
 
@@ -67,7 +78,24 @@ class TritonBackend(Backend):
             return Availability(False, f"backend='triton' does not implement activation {activation.name!r}")
         return Availability(True)
 
+    def supports_args(self, args: ExpertMLPArgs) -> Availability:
+        """Shape limits of a call (after :meth:`supports`): the FP8 block path needs whole 128-blocks."""
+        if _is_fp8_block_recipe(args.recipe):
+            from .fp8_block.autograd import check_shapes
+
+            reason = check_shapes(args.hidden_size, args.ffn_hidden_size)
+            if reason is not None:
+                return Availability(False, reason)
+        return Availability(True)
+
     def forward(self, args: ExpertMLPArgs) -> torch.Tensor:
+        if _is_fp8_block_recipe(args.recipe):
+            from .fp8_block.autograd import check_shapes, fp8_block_expert_mlp
+
+            reason = check_shapes(args.hidden_size, args.ffn_hidden_size)
+            if reason is not None:
+                raise ValueError(reason)
+            return fp8_block_expert_mlp(args)
         from .autograd import TritonExpertMLP
 
         return TritonExpertMLP.apply(
@@ -82,6 +110,12 @@ def _is_bf16_recipe(recipe) -> bool:
     from ...recipes import BF16Recipe
 
     return isinstance(recipe, BF16Recipe)
+
+
+def _is_fp8_block_recipe(recipe) -> bool:
+    from ...recipes import Float8BlockScaling
+
+    return isinstance(recipe, Float8BlockScaling)
 
 
 BACKEND = TritonBackend()
