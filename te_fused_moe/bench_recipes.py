@@ -1,0 +1,402 @@
+"""Benchmark of the FP8 block recipe (Float8BlockScaling) on one Hopper GPU, in one process:
+
+- ``bf16_unfused``: ``torch._grouped_mm`` FC1 -> activation -> ``torch._grouped_mm`` FC2, autograd backward
+  (:func:`te_fused_moe.bench.unfused_mlp`, the reference point of the target);
+- ``bf16_fused``: our BF16 Triton path (``fused_moe_mlp(backend="triton")``);
+- ``fp8_block_unfused``: the same FP8 block recipe without fusion: separate quantize kernels, FP8
+  grouped GEMMs with plain BF16 outputs (our FP8 kernel without its epilogue), activation and its
+  backward as separate PyTorch ops (``a`` and ``dh`` rounded to BF16 before their quantize kernel);
+- ``fp8_rowwise_scaled_grouped_mm``: ``torch._scaled_grouped_mm`` (E4M3, one FP32 scale per row /
+  column, the FP8 grouped GEMM of PyTorch) for all six GEMMs (wgrad: K-grouped 2d x 2d with
+  per-expert scales), quantization and activation as PyTorch ops;
+- ``fp8_block_fused``: ``fused_moe_mlp(recipe=Float8BlockScaling(), backend="triton")``.
+
+Forward, backward and forward+backward ms (median), TFLOP/s over routed tokens (fwd+bwd counts 3x the
+forward FLOPs), ratios to ``bf16_unfused``, the target (FP8 block fused fwd+bwd >= 1.5x BF16 unfused),
+peak memory, each FP8 kernel alone, and the weight cache (bytes held, and the per-micro-batch weight
+quantization it saves). Ceilings measured first: cuBLAS BF16 and FP8 (``torch._scaled_mm``) 8192^3.
+Implementations that fail (e.g. a PyTorch without ``_scaled_grouped_mm``) are recorded with their error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import torch
+
+from . import bench
+from .activations import ActivationConfig
+from .recipes import Float8BlockScaling
+
+FP8_MAX = 448.0
+DEFAULT_SHAPES = ["dsv3-e32", "dsv3-e32-zipf"]
+TARGET = 1.5
+
+
+# --- same recipe, unfused ----------------------------------------------------------------------------
+
+class FP8BlockUnfused(torch.autograd.Function):
+    """Float8BlockScaling without fusion: quantize kernels + plain FP8 GEMMs + PyTorch activation."""
+
+    @staticmethod
+    def forward(ctx, x, counts, w1, w2, activation):
+        from .backends.triton.fp8_block import gemm
+        from .backends.triton.fp8_block.quantize import WEIGHT_CACHE, FP8Spec, quantize_rows
+        from .backends.triton.schedule import build_schedule
+
+        spec = FP8Spec()
+        act = ActivationConfig(activation)
+        T, H = x.shape
+        E, n1, _ = w1.shape
+        sched = build_schedule(counts, T, 128)
+        w1q, w2q = WEIGHT_CACHE.get(w1, spec), WEIGHT_CACHE.get(w2, spec)
+        xq = quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
+        h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
+        gemm.launch("fc2", xq.data, xq.scale, w1q.data, w1q.scale, n1, sched, E, spec, c=h)
+        a = act.forward(h.float()).to(x.dtype)
+        aq = quantize_rows(a, sched, E, spec, rowwise=True, colwise=True)
+        y = torch.empty(T, H, device=x.device, dtype=x.dtype)
+        gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
+        ctx.save_for_backward(h, w1, w2)
+        ctx.state = (sched, w1q, w2q, xq, aq, act, spec)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .backends.triton.fp8_block import gemm
+        from .backends.triton.fp8_block.quantize import quantize_rows
+        from .backends.triton.fp8_block.wgrad import fp8_grouped_wgrad
+
+        h, w1, w2 = ctx.saved_tensors
+        sched, w1q, w2q, xq, aq, act, spec = ctx.state
+        dy = dy.contiguous()
+        T, H = dy.shape
+        E, n1, _ = w1.shape
+        F = w2.shape[2]
+        dyq = quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
+        da = torch.empty(T, F, device=dy.device, dtype=dy.dtype)
+        gemm.launch("fc2", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, c=da)
+        dh = act.backward(h.float(), da.float()).to(dy.dtype)
+        dhq = quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True)
+        dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
+        gemm.launch("fc2", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
+        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+        fp8_grouped_wgrad(dyq, aq, sched, dw2)
+        fp8_grouped_wgrad(dhq, xq, sched, dw1)
+        return dx, None, dw1, dw2, None
+
+
+# --- PyTorch's FP8 grouped GEMM (rowwise scales) ------------------------------------------------------
+
+def _rowwise(t: torch.Tensor):
+    """E4M3 along the last dim, one FP32 scale per row: (data, dequantization scale [...])."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
+    scale = FP8_MAX / amax
+    q = (t.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, (1.0 / scale).squeeze(-1).contiguous()
+
+
+def _jagged_colwise_t(t: torch.Tensor, counts: torch.Tensor):
+    """``t [T, N]`` quantized along the tokens per expert (one scale per column and expert), returned
+    transposed ``[N, T]`` (row-major) with the scales ``[E * N]`` (expert-major)."""
+    amax = torch.segment_reduce(t.abs().float(), "max", lengths=counts, axis=0).clamp_min(1e-12)  # [E, N]
+    rows = torch.repeat_interleave(amax, counts, dim=0, output_size=t.shape[0])
+    q = (t.float() * (FP8_MAX / rows)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.t().contiguous(), (amax / FP8_MAX).reshape(-1).contiguous()
+
+
+class FP8RowwiseScaledGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, w1, w2, activation):
+        act = ActivationConfig(activation)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        xq, xs = _rowwise(x)
+        w1q, w1s = _rowwise(w1)  # [E, n1, H] along H; mat_b = [E, H, n1] column-major
+        h = torch._scaled_grouped_mm(xq, w1q.transpose(1, 2), xs, w1s, offs=offs, out_dtype=torch.bfloat16)
+        a = act.forward(h.float()).to(x.dtype)
+        aq, as_ = _rowwise(a)
+        w2q, w2s = _rowwise(w2)
+        y = torch._scaled_grouped_mm(aq, w2q.transpose(1, 2), as_, w2s, offs=offs, out_dtype=torch.bfloat16)
+        ctx.save_for_backward(x, counts, offs, w1, w2, h, a)
+        ctx.act = act
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, counts, offs, w1, w2, h, a = ctx.saved_tensors
+        act = ctx.act
+        dy = dy.contiguous()
+        dyq, dys = _rowwise(dy)
+        w2tq, w2ts = _rowwise(w2.transpose(1, 2).contiguous())  # [E, F, H] along H
+        da = torch._scaled_grouped_mm(dyq, w2tq.transpose(1, 2), dys, w2ts, offs=offs, out_dtype=torch.bfloat16)
+        dh = act.backward(h.float(), da.float()).to(dy.dtype)
+        dhq, dhs = _rowwise(dh)
+        w1tq, w1ts = _rowwise(w1.transpose(1, 2).contiguous())  # [E, H, n1] along n1
+        dx = torch._scaled_grouped_mm(dhq, w1tq.transpose(1, 2), dhs, w1ts, offs=offs, out_dtype=torch.bfloat16)
+        # wgrad: K-grouped (tokens), per-expert scales along the tokens
+        dyt, dyts = _jagged_colwise_t(dy, counts)
+        at, ats = _jagged_colwise_t(a, counts)
+        dw2 = torch._scaled_grouped_mm(dyt, at.t(), dyts, ats, offs=offs, out_dtype=torch.bfloat16)
+        dht, dhts = _jagged_colwise_t(dh, counts)
+        xt, xts = _jagged_colwise_t(x, counts)
+        dw1 = torch._scaled_grouped_mm(dht, xt.t(), dhts, xts, offs=offs, out_dtype=torch.bfloat16)
+        return dx, None, dw1, dw2, None
+
+
+def _fp8_block_fused(x, counts, w1, w2, activation):
+    from .ops import fused_moe_mlp
+
+    return fused_moe_mlp(x, counts, w1, w2, activation=activation, recipe=Float8BlockScaling(), backend="triton")
+
+
+IMPLEMENTATIONS = {
+    "bf16_unfused": bench.unfused_mlp,
+    "bf16_fused": bench.fused_mlp,
+    "fp8_block_unfused": lambda x, c, w1, w2, act: FP8BlockUnfused.apply(x, c, w1, w2, act),
+    "fp8_rowwise_scaled_grouped_mm": lambda x, c, w1, w2, act: FP8RowwiseScaledGroupedMM.apply(x, c, w1, w2, act),
+    "fp8_block_fused": _fp8_block_fused,
+}
+
+
+# --- measuring ----------------------------------------------------------------------------------------
+
+def fp8_ceiling_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms = bench.do_bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * n ** 3 / ms / 1e9
+
+
+def bench_impl(name: str, shape: bench.Shape, inputs, peak: float) -> Dict:
+    fn = IMPLEMENTATIONS[name]
+    bench.IMPLEMENTATIONS[name] = fn  # bench.bench_implementation looks implementations up by name
+    try:
+        return bench.bench_implementation(name, shape, inputs, peak)
+    except Exception as exc:  # recorded, not fatal: the other implementations still run
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+    finally:
+        bench.IMPLEMENTATIONS.pop(name, None)
+
+
+def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict[str, float]]:
+    """Each kernel of the fused FP8 block path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize)."""
+    from .backends.triton.fp8_block import gemm
+    from .backends.triton.fp8_block.autograd import _new_rows
+    from .backends.triton.fp8_block.quantize import FP8Spec, quantize_rows, quantize_weight
+    from .backends.triton.fp8_block.wgrad import fp8_grouped_wgrad
+    from .backends.triton.schedule import build_schedule
+
+    act = ActivationConfig(shape.activation)
+    x, w1, w2, counts, dy = (inputs[k] for k in ("x", "w1", "w2", "counts", "dy"))
+    T, H, F, E, n1 = x.shape[0], shape.hidden, shape.ffn, shape.experts, w1.shape[1]
+    routed = int(counts.sum())
+    spec = FP8Spec()
+    kw = dict(activation=act.name, alpha=act.alpha, limit=act.limit, gated=act.gated)
+    sched = build_schedule(counts, T, 128)
+    w1q, w2q = quantize_weight(w1, spec), quantize_weight(w2, spec)
+    xq = quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
+    dyq = quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
+    h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
+    aq = _new_rows(T, F, x, spec, E, True, True)
+    dhq = _new_rows(T, n1, x, spec, E, True, True)
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
+    dprob = torch.empty(F // 128, T, device=x.device, dtype=torch.float32)
+    probs = torch.rand(T, device=x.device) + 0.05
+    gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
+                b_up_rows=F, **kw)
+    kernels = {
+        "quantize_x_row_col": (lambda: quantize_rows(x, sched, E, spec, rowwise=True, colwise=True), None,
+                               T * H * 4.0),
+        "quantize_weights": (lambda: (quantize_weight(w1, spec), quantize_weight(w2, spec)), None,
+                             (w1.numel() + w2.numel()) * 4.0),
+        "fc1_glu_quant": (lambda: gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq,
+                                              h=h, h_up_offset=F, b_up_rows=F, **kw), 2.0 * routed * H * n1, None),
+        "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y),
+                2.0 * routed * F * H, None),
+        "quantize_dy_row_col": (lambda: quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True), None,
+                                T * H * 4.0),
+        "fc2_dgrad_dglu_quant": (lambda: gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E,
+                                                     spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
+                                                     dprob=dprob, **kw), 2.0 * routed * H * F, None),
+        "fc1_dgrad": (lambda: gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec,
+                                          c=dx), 2.0 * routed * n1 * H, None),
+        "wgrad_w2": (lambda: fp8_grouped_wgrad(dyq, aq, sched, dw2), 2.0 * routed * H * F, None),
+        "wgrad_w1": (lambda: fp8_grouped_wgrad(dhq, xq, sched, dw1), 2.0 * routed * n1 * H, None),
+    }
+    out = {}
+    for name, (fn, flops, nbytes) in kernels.items():
+        try:
+            fn()
+            ms = bench.do_bench_ms(fn)
+            entry = {"ms": ms}
+            if flops:
+                entry.update(tflops=flops / ms / 1e9, of_fp8_peak=flops / ms / 1e9 / fp8_peak)
+            if nbytes:
+                entry["gbps"] = nbytes / ms / 1e6
+            out[name] = entry
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def weight_cache_report(inputs) -> Dict[str, float]:
+    """What the per-step weight cache holds and what it saves per micro-batch (one quantization of both
+    weights, both layouts), vs re-quantizing every micro-batch."""
+    from .backends.triton.fp8_block.quantize import FP8Spec, WeightCache
+
+    cache = WeightCache()
+    spec = FP8Spec()
+    w1, w2 = inputs["w1"], inputs["w2"]
+    bf16_bytes = (w1.numel() + w2.numel()) * w1.element_size()
+    cache.get(w1, spec), cache.get(w2, spec)
+    requantize_ms = bench.do_bench_ms(lambda: (cache.clear(), cache.get(w1, spec), cache.get(w2, spec)))
+    hit_ms = bench.do_bench_ms(lambda: (cache.get(w1, spec), cache.get(w2, spec)))
+    return {"bf16_weight_bytes": bf16_bytes, "fp8_cache_bytes": cache.nbytes,
+            "requantize_ms_per_microbatch": requantize_ms, "cache_hit_ms": hit_ms,
+            "note": "the cache keeps w and w^T in FP8 (1 byte each) + 128x128 scales: as many bytes as the "
+                    "BF16 weights; each cached micro-batch skips requantize_ms of weight quantization"}
+
+
+def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = True,
+        budget_s: float = 150.0) -> Dict:
+    import triton
+
+    start = time.time()
+    torch.manual_seed(0)
+    ceilings = bench.measure_ceilings()
+    try:
+        ceilings["fp8_gemm_tflops"] = fp8_ceiling_tflops()
+    except Exception as exc:
+        ceilings["fp8_gemm_tflops"] = float("nan")
+        ceilings["fp8_gemm_error"] = f"{type(exc).__name__}: {exc}"
+    peak = ceilings["bf16_gemm_tflops"]
+    fp8_peak = ceilings["fp8_gemm_tflops"] if ceilings["fp8_gemm_tflops"] == ceilings["fp8_gemm_tflops"] else 2 * peak
+    report = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": dataclasses.asdict(Float8BlockScaling()) | {"fp8_format": "E4M3"},
+        "ceilings": ceilings, "target": f"fp8_block_fused fwd+bwd >= {TARGET}x bf16_unfused", "shapes": {},
+    }
+    for name in shape_names:
+        if time.time() - start > budget_s:
+            report["shapes"][name] = {"skipped": f"time budget of {budget_s:.0f} s spent"}
+            continue
+        shape = bench.SHAPES[name]
+        inputs = bench.make_inputs(shape)
+        entry = {"shape": dataclasses.asdict(shape), "counts": inputs["counts"].tolist()}
+        ys = {}
+        for impl in IMPLEMENTATIONS:
+            entry[impl] = bench_impl(impl, shape, inputs, peak)
+            if "_y" in entry[impl]:
+                ys[impl] = entry[impl].pop("_y")
+            torch.cuda.empty_cache()
+        routed = int(inputs["counts"].sum())
+        base = entry["bf16_unfused"]
+        entry["ratio_vs_bf16_unfused"] = {
+            impl: {k: base[f"{k}_ms"] / entry[impl][f"{k}_ms"] for k in ("fwd", "bwd", "fwd_bwd")}
+            for impl in IMPLEMENTATIONS if "fwd_ms" in entry[impl] and "fwd_ms" in base}
+        ref = ys.get("bf16_unfused")
+        entry["y_rel_err_vs_bf16_unfused"] = {
+            impl: float((y[:routed] - ref[:routed]).norm() / ref[:routed].norm().clamp_min(1e-30))
+            for impl, y in ys.items() if ref is not None}
+        if "fp8_block_fused" in ys and "fp8_block_unfused" in ys:
+            a, b = ys["fp8_block_fused"][:routed], ys["fp8_block_unfused"][:routed]
+            entry["y_rel_err_fp8_fused_vs_unfused"] = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        fused = entry["ratio_vs_bf16_unfused"].get("fp8_block_fused", {}).get("fwd_bwd")
+        entry["target_met"] = None if fused is None else bool(fused >= TARGET)
+        if kernels and time.time() - start < budget_s:
+            entry["fp8_kernels"] = bench_fp8_kernels(shape, inputs, fp8_peak)
+            entry["weight_cache"] = weight_cache_report(inputs)
+        report["shapes"][name] = entry
+        del inputs, ys
+        torch.cuda.empty_cache()
+    report["elapsed_s"] = time.time() - start
+    if out_dir:
+        save(report, out_dir)
+    return report
+
+
+def summary_table(report: Dict) -> str:
+    c = report["ceilings"]
+    lines = [f"{report['gpu']}  torch {report['torch']}  triton {report['triton']}  cuBLAS bf16 "
+             f"{c['bf16_gemm_tflops']:.0f} / fp8 {c.get('fp8_gemm_tflops', float('nan')):.0f} TFLOP/s  "
+             f"copy {c['d2d_copy_tbps']:.2f} TB/s   target: {report['target']}"]
+    for name, e in report["shapes"].items():
+        if "skipped" in e:
+            lines.append(f"{name}: skipped ({e['skipped']})")
+            continue
+        lines.append(f"\n{name}  (target met: {e.get('target_met')})")
+        lines.append(f"  {'implementation':32} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b TFLOP/s':>11} "
+                     f"{'x fwd':>6} {'x bwd':>6} {'x f+b':>6} {'mem GiB':>8} {'y err vs bf16':>13}")
+        for impl in IMPLEMENTATIONS:
+            r = e[impl]
+            if "error" in r:
+                lines.append(f"  {impl:32} failed: {r['error'][:150]}")
+                continue
+            ratio = e["ratio_vs_bf16_unfused"].get(impl, {})
+            lines.append(
+                f"  {impl:32} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} {r['fwd_bwd_tflops']:11.0f} "
+                f"{ratio.get('fwd', float('nan')):6.2f} {ratio.get('bwd', float('nan')):6.2f} "
+                f"{ratio.get('fwd_bwd', float('nan')):6.2f} {r['peak_mem_gib']:8.2f} "
+                f"{e['y_rel_err_vs_bf16_unfused'].get(impl, float('nan')):13.2e}")
+        if "fp8_kernels" in e:
+            parts = []
+            for k, v in e["fp8_kernels"].items():
+                if "error" in v:
+                    parts.append(f"{k} failed")
+                elif "tflops" in v:
+                    parts.append(f"{k} {v['ms']:.3f} ms {v['tflops']:.0f} TF/s")
+                else:
+                    parts.append(f"{k} {v['ms']:.3f} ms {v['gbps']:.0f} GB/s")
+            lines.append("  kernels: " + "; ".join(parts))
+        if "weight_cache" in e:
+            w = e["weight_cache"]
+            lines.append(f"  weight cache: {w['fp8_cache_bytes'] / 2**30:.2f} GiB held (bf16 weights "
+                         f"{w['bf16_weight_bytes'] / 2**30:.2f} GiB); saves {w['requantize_ms_per_microbatch']:.3f} ms "
+                         f"of weight quantization per micro-batch (hit {w['cache_hit_ms'] * 1e3:.1f} us)")
+    return "\n".join(lines)
+
+
+def save(report: Dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"recipes_{report['gpu'].replace(' ', '_')}_{report['date'][:10]}")
+    with open(base + ".json", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(base + ".txt", "w") as f:
+        f.write(summary_table(report) + "\n")
+    return base
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``scripts/bench_recipes.py``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="bench_recipes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help=f"comma-separated from {sorted(bench.SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the text table")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="start no new shape (nor the kernel timings) after this many seconds")
+    args = parser.parse_args(argv)
+    names = args.shapes.split(",")
+    unknown = [n for n in names if n not in bench.SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; expected names from {sorted(bench.SHAPES)}")
+    if not torch.cuda.is_available():
+        parser.error("the benchmark times FP8 kernels on a CUDA GPU (Hopper)")
+    report = run(names, out_dir=args.out, kernels=not args.no_kernels, budget_s=args.budget_s)
+    print(summary_table(report))
+    return 0
