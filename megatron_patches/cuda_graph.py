@@ -85,6 +85,31 @@ def create_megatron_layer_graphs() -> None:
     create_cudagraphs()
 
 
+def side_stream():
+    """A context that runs everything on one non-default CUDA stream. Build the model and run every
+    step of a ``FullIterationGraph`` under it: the parameters' gradient accumulators (created at the
+    first backward, or by DDP's hooks at wrap time) then live on the stream the graph captures on."""
+    return torch.cuda.stream(torch.cuda.Stream())
+
+
+def graph_safe_rng_states() -> list:
+    """Megatron's named CUDA RNG states, which a captured graph must advance on every replay.
+
+    Only a tracker seeded with ``model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)``
+    holds them as ``torch.Generator`` objects a graph can register; the default tracker keeps plain
+    state tensors, whose streams would replay frozen (the same dropout masks every step)."""
+    from megatron.core.tensor_parallel.random import get_all_rng_states
+
+    states = list(get_all_rng_states().values())
+    frozen = [type(s).__name__ for s in states if not isinstance(s, torch.Generator)]
+    if frozen:
+        raise RuntimeError(
+            "FullIterationGraph: Megatron's RNG tracker is not graph-safe (its states are "
+            f"{sorted(set(frozen))}, not torch.Generator): seed it with "
+            "model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True) before building the model")
+    return states
+
+
 class FullIterationGraph:
     """Runs ``step(*inputs) -> outputs`` (forward + backward, no optimizer) eagerly for
     ``warmup_steps`` calls, then captures one call in a ``torch.cuda.CUDAGraph`` and replays it.
@@ -125,16 +150,20 @@ class FullIterationGraph:
         graph = torch.cuda.CUDAGraph()
         if hasattr(graph, "register_generator_state"):
             # Megatron's named RNG streams (dropout etc.) advance on every replay
-            from megatron.core.tensor_parallel.random import get_all_rng_states
-
-            for state in get_all_rng_states().values():
+            for state in graph_safe_rng_states():
                 graph.register_generator_state(state)
         if hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
             # newer torch: backward nodes recorded on the eager warm-up stream may capture on ours
             torch.autograd.graph.set_override_stale_capture_stream(True)
         torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        # Capture on the stream the eager steps ran on (see ``side_stream``): autograd's gradient
+        # accumulators remember the stream they were created on, and accumulating from another
+        # stream during capture makes the legacy stream wait on the capture, which CUDA refuses.
+        # Only when that stream is the default one (which cannot capture) is a new one needed.
+        stream = torch.cuda.current_stream()
+        if stream == torch.cuda.default_stream():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             self.static_outputs = self.step(*self.static_inputs)
         torch.cuda.current_stream().wait_stream(stream)

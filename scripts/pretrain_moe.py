@@ -366,7 +366,9 @@ def train(args) -> dict:
         if device.type == "cuda":
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-            model_parallel_cuda_manual_seed(args.seed)
+            # Graphs need Megatron's graph-safe RNG tracker (torch.Generator states a capture can
+            # register); megatron's local CudaGraphManager refuses the default one.
+            model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=cuda_graph != "none")
         config = build_config(model, impl, device,
                               {**graph_fields, **capacity_fields(getattr(args, "moe_expert_capacity_factor", None))})
         gpt = build_model(config, model, device)
@@ -465,7 +467,14 @@ def write_plot(log: dict, path: str) -> None:
 
 
 def main(argv=None):
-    train(parse_args(argv))
+    args = parse_args(argv)
+    if args.cuda_graph == "full_iteration" and args.device != "cpu" and torch.cuda.is_available():
+        from megatron_patches.cuda_graph import side_stream
+
+        with side_stream():  # model, DDP and every step on the stream the graph captures on
+            train(args)
+    else:
+        train(args)
     import torch.distributed as dist
 
     if dist.is_initialized():

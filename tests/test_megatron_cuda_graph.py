@@ -125,3 +125,15 @@ def test_count_flags_refuse_non_positive_values(launcher, capsys, flag, value):
         launcher.parse_args(["--config", CONFIG, flag, value])
     assert f"{flag}: expected a positive integer, got {value}" in capsys.readouterr().err
     assert getattr(launcher.parse_args(["--config", CONFIG, flag, "2"]), flag[2:].replace("-", "_")) == 2
+
+
+def test_graph_capture_needs_megatrons_graph_safe_rng_states(monkeypatch):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    generators = {"model-parallel-rng": torch.Generator(), "expert-parallel-rng": torch.Generator()}
+    monkeypatch.setattr(mrandom, "get_all_rng_states", lambda: generators)
+    assert cuda_graph.graph_safe_rng_states() == list(generators.values())
+    # the default tracker's plain state tensors would replay frozen inside a graph
+    monkeypatch.setattr(mrandom, "get_all_rng_states", lambda: {"model-parallel-rng": torch.get_rng_state()})
+    with pytest.raises(RuntimeError, match="use_cudagraphable_rng=True"):
+        cuda_graph.graph_safe_rng_states()

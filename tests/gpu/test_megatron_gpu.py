@@ -31,7 +31,8 @@ def megatron_world():
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     init_model_parallel(ep=1, etp=1)
-    model_parallel_cuda_manual_seed(1234)
+    # graph-safe RNG states: the graph tests capture Megatron layers (and the eager ones don't mind)
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
     yield
 
 
@@ -113,6 +114,13 @@ def test_moe_layer_drop_and_pad_step_captures_in_one_graph():
     """A whole MoELayer forward+backward (router, alltoall dispatch in Megatron's fixed-shape
     drop-and-pad mode, fused experts, combine) captured by the launcher's FullIterationGraph, then
     replayed on new tokens: same output and router gradient as the eager step."""
+    from megatron_patches.cuda_graph import side_stream
+
+    with side_stream():  # layer, eager steps and capture on one stream (see side_stream)
+        _drop_and_pad_graph_step()
+
+
+def _drop_and_pad_graph_step():
     from megatron_patches.cuda_graph import FullIterationGraph
 
     torch.manual_seed(torch.randint(1 << 30, (1,)).item())
