@@ -49,7 +49,7 @@ if __name__ != "__main__":
 GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
 TIGHT, LOOSE, FP64_BOUND = 2e-3, 3e-2, 2e-2
 
-# (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, f32_scales, tma, frozen)
+# (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, f32_scales, tma, frozen[, fp8_format])
 MLP_CASES = [
     ("swiglu-empty-pad", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, False, True, ()),
     ("gptoss-zipf", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, True, ()),
@@ -60,6 +60,7 @@ MLP_CASES = [
     ("gelu-frozen-x-probs", 170, 128, 128, 3, "gelu", True, True, "empty", 2, True, False, True, ("x", "probs")),
     ("swiglu-allpad", 64, 128, 128, 3, "swiglu", True, True, "balanced", 64, True, False, True, ()),
     ("swiglu-T0", 0, 128, 128, 2, "swiglu", True, True, "balanced", 0, True, False, True, ()),
+    ("swiglu-hybrid-e5m2-grads", 260, 256, 128, 3, "swiglu", True, True, "zipf", 3, True, False, True, (), "HYBRID"),
 ]
 
 
@@ -377,14 +378,15 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
 
     from te_fused_moe import fused_moe_mlp
     from te_fused_moe.backends.triton.fp8_block import autograd as fa, gemm
-    from te_fused_moe.recipes import Float8BlockScaling
+    from te_fused_moe.recipes import Float8BlockScaling, Format
 
-    case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, f32s, tma, frozen = case
+    case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, f32s, tma, frozen = case[:14]
+    fmt = case[14] if len(case) > 14 else "E4M3"
     fa.H_DTYPE = torch.float32 if h_fp32 else None
     gemm.USE_TMA_DEFAULT = tma
     real_alloc = torch.empty
     fa.ALLOC = (lambda *a, **k: _poisoned(real_alloc(*a, **k))) if poison else torch.empty
-    recipe = Float8BlockScaling(use_f32_scales=f32s)
+    recipe = Float8BlockScaling(use_f32_scales=f32s, fp8_format=Format[fmt])
     p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
@@ -536,10 +538,11 @@ def test_supports_names_the_recipe_subset():
     act = ActivationConfig("swiglu")
     assert backend.supports(act, Float8BlockScaling(), torch.bfloat16)
     assert backend.supports(act, Float8BlockScaling(use_f32_scales=True), torch.bfloat16)
-    for recipe in (Float8BlockScaling(fp8_format=Format.HYBRID), Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
-                   Float8BlockScaling(w_block_scaling_dim=1)):
+    assert backend.supports(act, Float8BlockScaling(fp8_format=Format.HYBRID), torch.bfloat16)
+    for recipe in (Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1), Float8BlockScaling(w_block_scaling_dim=1),
+                   Float8BlockScaling(grad_block_scaling_dim=2, w_block_scaling_dim=1)):
         verdict = backend.supports(act, recipe, torch.bfloat16)
-        assert not verdict and "implements Float8BlockScaling with fp8_format=E4M3" in verdict.reason, verdict
+        assert not verdict and "implements Float8BlockScaling with fp8_format=E4M3 or HYBRID" in verdict.reason, verdict
     for name in ("mxfp8", "nvfp4"):
         verdict = backend.supports(act, as_recipe(name), torch.bfloat16)
         assert not verdict and "bf16 and fp8_block" in verdict.reason and name in verdict.reason, verdict

@@ -68,6 +68,7 @@ GPU_CASES = [
     ("srelu-one", 2048, 256, 384, 8, "srelu", False, True, "one", 5, True, False, True, ()),
     ("geglu-ptr-f32scales", 2048, 384, 256, 4, "geglu", True, False, "zipf", 3, True, True, False, ()),
     ("silu-E64-frozenx", 8192, 256, 128, 64, "silu", True, True, "zipf", 0, True, False, True, ("x",)),
+    ("swiglu-hybrid", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 9, True, False, True, (), "HYBRID"),
 ]
 
 

@@ -15,7 +15,8 @@ are quantized from their FP32 values. Differences from the reference: the order 
 the FP8 wgmma's own accumulation inside one 128-block on the GPU), which can move a value that sits
 next to an FP8 rounding boundary (or an amax next to a power of two) by one FP8 step; and ``h`` is
 saved in ``H_DTYPE`` (default: x's dtype, as TE saves the GLU input; the reference keeps it in FP32),
-so ``dh`` sees ``h`` rounded to BF16.
+so ``dh`` sees ``h`` rounded to BF16. ``Format.HYBRID`` quantizes the gradients (dy, dh) to E5M2:
+the dgrad and wgrad GEMMs then multiply E5M2 by E4M3 (a mixed FP8 wgmma).
 
 Sync-free: no host reads of device data, no data-dependent shapes (buffers sized for the worst case).
 """
@@ -61,7 +62,8 @@ def _new_rows(num_rows: int, width: int, like: torch.Tensor, spec: FP8Spec, num_
 
 class TritonFP8BlockExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, spec):
+    def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs):
+        spec, grad_spec = specs  # x, a and weights; gradients (E5M2 under Format.HYBRID)
         need = ctx.needs_input_grad
         num_rows, hidden = x.shape
         num_experts, n1, _ = w1.shape
@@ -69,7 +71,7 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
         gated = activation.gated
         act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=gated)
         y = _new((num_rows, hidden), x)
-        ctx.act, ctx.spec = act, spec
+        ctx.act, ctx.grad_spec = act, grad_spec
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         if num_rows == 0:
             ctx.empty = True
@@ -94,7 +96,7 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, spec
+        need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, specs
         if ctx.empty:
             x, w1, w2, probs = ctx.saved_tensors
             zeros = lambda t, n: torch.zeros_like(t) if n else None
@@ -103,7 +105,7 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
                     torch.zeros((w1.shape[0], x.shape[1]), device=x.device, dtype=x.dtype) if need[5] else None,
                     zeros(probs, need[6]) if probs is not None else None, None, None)
         x, w1, w2, probs, h, _counts = ctx.saved_tensors
-        spec, schedule = ctx.spec, ctx.schedule
+        spec, schedule = ctx.grad_spec, ctx.schedule
         dy = dy.contiguous()
         num_rows, hidden = x.shape
         num_experts, n1, _ = w1.shape
@@ -153,20 +155,21 @@ def _max_tiles(num_rows: int, num_experts: int) -> int:
     return max_m_tiles(num_rows, num_experts, BLOCK)
 
 
-def spec_of(recipe) -> FP8Spec:
-    """The kernels' FP8 spec of a supported Float8BlockScaling (see ``supports_fp8_block``)."""
-    return FP8Spec.of(recipe.fp8_format.for_role("x"), pow2=not recipe.use_f32_scales)
+def specs_of(recipe):
+    """The kernels' FP8 specs (x/a/weights, gradients) of a supported Float8BlockScaling."""
+    pow2 = not recipe.use_f32_scales
+    return FP8Spec.of(recipe.fp8_format.for_role("x"), pow2), FP8Spec.of(recipe.fp8_format.for_role("grad"), pow2)
 
 
 def supports_fp8_block(recipe) -> Optional[str]:
     """None if the Triton FP8 path implements ``recipe``, else the reason."""
     from ....recipes import Format
 
-    ok = (recipe.fp8_format is Format.E4M3 and recipe.x_block_scaling_dim == 1 and recipe.w_block_scaling_dim == 2
+    ok = (recipe.fp8_format in (Format.E4M3, Format.HYBRID) and recipe.x_block_scaling_dim == 1 and recipe.w_block_scaling_dim == 2
           and recipe.grad_block_scaling_dim == 1)
     if ok:
         return None
-    return ("backend='triton' implements Float8BlockScaling with fp8_format=E4M3, x_block_scaling_dim=1, "
+    return ("backend='triton' implements Float8BlockScaling with fp8_format=E4M3 or HYBRID, x_block_scaling_dim=1, "
             "w_block_scaling_dim=2, grad_block_scaling_dim=1 (power-of-2 or FP32 scales) only, got "
             f"fp8_format={recipe.fp8_format.name}, x_block_scaling_dim={recipe.x_block_scaling_dim}, "
             f"w_block_scaling_dim={recipe.w_block_scaling_dim}, grad_block_scaling_dim={recipe.grad_block_scaling_dim} "
@@ -187,4 +190,4 @@ def check_shapes(hidden: int, ffn: int) -> Optional[str]:
 def fp8_block_expert_mlp(args) -> torch.Tensor:
     """Entry from the backend (``ExpertMLPArgs``)."""
     return TritonFP8BlockExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2,
-                                         args.probs, args.activation, spec_of(args.recipe))
+                                         args.probs, args.activation, specs_of(args.recipe))
