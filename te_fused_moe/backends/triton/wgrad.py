@@ -13,7 +13,7 @@ See ``grouped_gemm.py`` for why ``UPCAST`` exists (the CPU interpreter's bf16 do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -51,9 +51,14 @@ INTERPRET_WGRAD_CONFIG = WgradConfig(block_n=32, block_k=32, block_m=16, group_n
 
 
 def default_wgrad_config(n: int, k: int) -> WgradConfig:
+    """Block sizes for sm_90 (H200 runs 3-8). The vectorised tail only where both dims are whole
+    tiles: with a ragged K (GPT-OSS, K=2880) the tail code alone slowed the main loop (run 8: dW1
+    2.32 ms vs 1.90 ms clamped, balanced routing where the tail never runs); on whole tiles it is
+    as fast or faster (1.5x at DSv3-Zipf, 1.7x with empty experts)."""
     if interpreting():
         return INTERPRET_WGRAD_CONFIG
-    return WgradConfig()
+    cfg = WgradConfig()
+    return replace(cfg, vector_tail=n % cfg.block_n == 0 and k % cfg.block_k == 0)
 
 
 @triton.jit
