@@ -191,7 +191,7 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
             if re_ == rs:
                 continue
             rc = ref.quantize(xr[rs:re_], (1, 128), axis=0, power_2_scale=pow2, fp8_format=fmt)
-            bad["col_data"] += _diff8(q.data_t[:, rs:re_].T, rc.data)
+            bad["col_data"] += _diff8(Q.expert_columns(q.data_t, ts, re_ - rs).T, rc.data)
             bad["col_scale"] += _diff32(q.scale_t[ts:te_], rc.scale)
         w = _nasty(torch.randn(3, 256, K, generator=g).to(dtype).reshape(-1, K)).reshape(3, 256, K).to(device)
         qw = Q.quantize_weight(w, spec, value_for_inf=vfi)
@@ -278,7 +278,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     w1q, w2q = Q.quantize_weight(d(w1), spec), Q.quantize_weight(d(w2), spec)
     h = _poisoned(torch.empty(T, n1, device=device))
     aq = Q.QuantizedRows(alloc((T, F), device=device, dtype=spec.torch_dtype), alloc((T, F // 128), device=device, dtype=torch.float32),
-                         Q.new_transposed(F, T, h, spec.torch_dtype, alloc), alloc((tiles, F), device=device, dtype=torch.float32))
+                         Q.new_transposed(F, T, E, h, spec.torch_dtype, alloc), alloc((tiles, F), device=device, dtype=torch.float32))
     p = d(probs, torch.float32)
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
                 b_up_rows=F, probs=p, activation=activation, gated=act.gated, alpha=act.alpha, limit=act.limit)
@@ -286,7 +286,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=alloc)
     dhq = Q.QuantizedRows(alloc((T, n1), device=device, dtype=spec.torch_dtype), alloc((T, n1 // 128), device=device, dtype=torch.float32),
-                          Q.new_transposed(n1, T, h, spec.torch_dtype, alloc), alloc((tiles, n1), device=device, dtype=torch.float32))
+                          Q.new_transposed(n1, T, E, h, spec.torch_dtype, alloc), alloc((tiles, n1), device=device, dtype=torch.float32))
     dprob = _poisoned(torch.empty(F // 128, T, device=device))
     dbias = _poisoned(torch.empty(tiles, n1, device=device))
     gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, q_up_offset=F, h=h,
@@ -336,9 +336,9 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
         if re_ == rs:
             continue
         rc = ref.quantize(a32[rs:re_], (1, 128), axis=0)
-        bad["a_col"] += _diff8(aq.data_t[:, rs:re_].T, rc.data) + _diff32(aq.scale_t[ts:te_], rc.scale)
+        bad["a_col"] += _diff8(Q.expert_columns(aq.data_t, ts, re_ - rs).T, rc.data) + _diff32(aq.scale_t[ts:te_], rc.scale)
         rc = ref.quantize(dg32[rs:re_], (1, 128), axis=0)
-        bad["dh_col"] += _diff8(dhq.data_t[:, rs:re_].T, rc.data) + _diff32(dhq.scale_t[ts:te_], rc.scale)
+        bad["dh_col"] += _diff8(Q.expert_columns(dhq.data_t, ts, re_ - rs).T, rc.data) + _diff32(dhq.scale_t[ts:te_], rc.scale)
         if grp == E:
             continue
         bad["y"] += far(y[rs:re_], deq(ref.quantize(a32[rs:re_], (1, 128), axis=1)), w2[grp].double().T)

@@ -55,7 +55,7 @@ def _new_rows(num_rows: int, width: int, like: torch.Tensor, spec: FP8Spec, num_
         q.data = _new((num_rows, width), like, spec.torch_dtype)
         q.scale = _new((num_rows, width // BLOCK), like, torch.float32)
     if colwise:
-        q.data_t = new_transposed(width, num_rows, like, spec.torch_dtype, ALLOC)
+        q.data_t = new_transposed(width, num_rows, num_experts, like, spec.torch_dtype, ALLOC)
         q.scale_t = _new((max_m_tiles(num_rows, num_experts, BLOCK), width), like, torch.float32)
     return q
 

@@ -60,14 +60,16 @@ class FP8GemmConfig:
 
 def default_config(kind: str) -> FP8GemmConfig:
     """BM = BK = 128 always (token blocks, scale blocks). FC1/DACT: BN = 128 (one rowwise block per
-    tile; gated FC1 keeps a second 128-wide accumulator for the up half). The plain GEMMs take
-    BN = 256 on the GPU (N = H is wide)."""
+    tile; gated FC1 keeps a second 128-wide accumulator for the up half). The plain GEMMs use
+    BN = 128 too (see below)."""
     if interpreting():
         return FP8GemmConfig(block_n=128, group_m=2, num_warps=4, num_stages=1)
     if kind in ("fc1", "dact"):
         return FP8GemmConfig(block_n=128, num_stages=3)
     if kind in ("fc2", "dgrad"):
-        return FP8GemmConfig(block_n=256, num_stages=3)
+        # BN=128: the promoted accumulator and the dot's fresh result are both live (2 x 64 registers
+        # per thread at 8 warps); BN=256 would need 2 x 128 and spill
+        return FP8GemmConfig(block_n=128, num_stages=4)
     raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
 
 
@@ -86,9 +88,9 @@ def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, st
     if COLWISE:
         amax_c = tl.max(tl.where(mask, nan_free_abs(v), 0.0), axis=0)
         scale_c, inv_c = block_scale(amax_c, FP8_MAX, POW2, value_for_inf)
-        codes_c = encode_fp8(v * scale_c[None, :], MANT, EBIAS, FP8_MAX)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + rows64[None, :], tl.trans(codes_c),
-                 mask=row_ok[None, :])
+        codes_c = tl.where(mask, encode_fp8(v * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0)
+        slot = tile * 128 + tl.arange(0, 128)  # the tile's own columns of data_t (see quantize.py)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :], tl.trans(codes_c))
         tl.store(qts_ptr + tile * stride_qtst + cols, inv_c)
 
 

@@ -4,10 +4,13 @@ Layouts (what the FP8 GEMMs read; Hopper's FP8 wgmma wants both operands K-major
 
 - rowwise activation/gradient ``data [T, K]`` (FP8) + ``scale [T, cdiv(K, 128)]`` (FP32, TE's
   ``scale_inv``): 1x128 blocks along K, the operand of the fprop/dgrad GEMMs.
-- columnwise copy ``data_t [K, T]`` (FP8, stored transposed like TE's columnwise data, row stride
-  rounded up to 16 bytes) + ``scale_t [max_m_tiles, K]``: 1x128 blocks along the tokens that
-  restart at each expert's first row, i.e. one block per M tile of the device schedule built with
-  ``block_m = 128`` (``scale_t[tile]`` holds that tile's per-column scales). The operand of wgrad.
+- columnwise copy ``data_t [K, 128 * max_m_tiles]`` (FP8, stored transposed like TE's columnwise
+  data) + ``scale_t [max_m_tiles, K]``: 1x128 blocks along the tokens that restart at each expert's
+  first row, i.e. one block per M tile of the device schedule built with ``block_m = 128``. Tile
+  ``t`` owns columns ``[128 t, 128 t + 128)`` of ``data_t`` (its rows in order, zeros past the
+  expert's last row) and ``scale_t[t]`` (its per-column scales). The operand of wgrad: every block
+  starts 128-byte aligned and needs no masking (the tokens of the next expert are not in it), so
+  wgrad loads whole blocks by TMA. Costs ``128 (E + 1)`` extra columns at most.
 - weights ``data [E, N, K]`` and ``data_t [E, K, N]`` (FP8) + ``scale [E, cdiv(N,128), cdiv(K,128)]``:
   128x128 tiles, the same tiles for both GEMM directions, so the transposed copy's scales are
   ``scale.transpose(1, 2)``.
@@ -57,15 +60,15 @@ class FP8Spec:
         return dict(MANT=self.mant, EBIAS=self.bias, FP8_MAX=self.max_value, POW2=self.pow2)
 
 
-def padded_row_stride(num_rows: int) -> int:
-    """Row stride (elements = bytes) of a transposed FP8 copy: ``T`` rounded up to 16 bytes, so that
-    every row starts 16-byte aligned (vectorised loads in wgrad)."""
-    return max(16, -(-num_rows // 16) * 16)
+def new_transposed(cols: int, num_rows: int, num_experts: int, like: torch.Tensor, dtype: torch.dtype,
+                   alloc=torch.empty) -> torch.Tensor:
+    """``[cols, 128 * max_m_tiles]`` buffer of a columnwise copy (one 128-column slot per tile)."""
+    return alloc((cols, BLOCK * max_m_tiles(num_rows, num_experts, BLOCK)), device=like.device, dtype=dtype)
 
 
-def new_transposed(cols: int, num_rows: int, like: torch.Tensor, dtype: torch.dtype, alloc=torch.empty) -> torch.Tensor:
-    """``[cols, num_rows]`` view of a ``[cols, padded_row_stride(num_rows)]`` buffer."""
-    return alloc((cols, padded_row_stride(num_rows)), device=like.device, dtype=dtype)[:, :num_rows]
+def expert_columns(data_t: torch.Tensor, tile_start: int, num_rows: int) -> torch.Tensor:
+    """The ``[K, num_rows]`` columnwise data of a group whose tiles start at ``tile_start`` (tests)."""
+    return data_t[:, BLOCK * tile_start: BLOCK * tile_start + num_rows]
 
 
 @dataclasses.dataclass
@@ -74,7 +77,7 @@ class QuantizedRows:
 
     data: Optional[torch.Tensor] = None  # [T, K] fp8
     scale: Optional[torch.Tensor] = None  # [T, cdiv(K, 128)] fp32
-    data_t: Optional[torch.Tensor] = None  # [K, T] fp8 (row stride padded)
+    data_t: Optional[torch.Tensor] = None  # [K, 128 * max_m_tiles] fp8, one 128-column slot per tile
     scale_t: Optional[torch.Tensor] = None  # [max_m_tiles, K] fp32
 
 
@@ -113,9 +116,10 @@ def quantize_tiles_kernel(
         tl.store(qs_ptr + rows64 * stride_qsm + pid_k, inv, mask=row_ok)
     if COLWISE:
         scale_c, inv_c = block_scale(tl.max(nan_free_abs(x), axis=0), FP8_MAX, POW2, value_for_inf)
-        codes_c = encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + rows64[None, :], tl.trans(codes_c),
-                 mask=tl.trans(mask))
+        codes_c = tl.where(row_ok[:, None], encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0)
+        slot = pid_m * BM + tl.arange(0, BM)  # the tile's own 128 columns; zeros past the group's end
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + slot[None, :], tl.trans(codes_c),
+                 mask=col_ok[:, None])
         tl.store(qts_ptr + pid_m * stride_qtst + cols, inv_c, mask=col_ok)
 
 
@@ -166,7 +170,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         out.data = alloc((num_rows, k), device=x.device, dtype=spec.torch_dtype)
         out.scale = alloc((num_rows, kb), device=x.device, dtype=torch.float32)
     if colwise:
-        out.data_t = new_transposed(k, num_rows, x, spec.torch_dtype, alloc)
+        out.data_t = new_transposed(k, num_rows, num_experts, x, spec.torch_dtype, alloc)
         out.scale_t = alloc((m_tiles, k), device=x.device, dtype=torch.float32)
     dummy_q = _codes(out.data if rowwise else out.data_t)
     dummy_s = out.scale if rowwise else out.scale_t

@@ -1,9 +1,10 @@
 """FP8 weight gradients: ``dW[e] = G_e^T @ X_e`` reduced over expert ``e``'s tokens, from the
-columnwise (transposed) copies ``G^T`` [N, T] and ``X^T`` [K, T], 1x128 blocks along the tokens that
-restart at each expert's first row: one block per M tile of the schedule (``block_m = 128``), whose
-scales are ``scale_t[tile]``. Every step reduces one token block with its scales promoted in FP32:
-``acc += dot(g, x^T) * gs[:, None] * xs[None, :]``. Rows past the expert's end are masked to zero
-(they hold the next expert's tokens). Experts with no tokens store zeros.
+columnwise (transposed) copies of ``G`` [T, N] and ``X`` [T, K]: 1x128 blocks along the tokens that
+restart at each expert's first row, one per M tile of the schedule (``block_m = 128``), tile ``t``
+in columns ``[128 t, 128 t + 128)`` of ``data_t`` with its scales in ``scale_t[t]`` (zeros past the
+expert's last row; layout in :mod:`.quantize`). Every step reduces one token block with the scales
+of both operands promoted in FP32: ``acc += dot(g, x^T) * gs[:, None] * xs[None, :]``. Blocks are
+whole and aligned, so they load by TMA without masks. Experts with no tokens store zeros.
 
 ``db1`` comes from per-tile FP32 column sums of ``dh`` written by the DACT epilogue
 (:func:`tile_sums_to_experts`), summed per expert in a fixed order.
@@ -20,6 +21,7 @@ import triton.language as tl
 
 from ..act_math import to_output
 from ..grouped_gemm import interpreting
+from . import gemm as fp8_gemm
 from .quantize import BLOCK, QuantizedRows
 
 
@@ -29,7 +31,8 @@ class FP8WgradConfig:
     block_k: int = 128
     group_n: int = 8
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
+    use_tma: bool = True
 
 
 def default_config() -> FP8WgradConfig:
@@ -40,11 +43,12 @@ def default_config() -> FP8WgradConfig:
 
 @triton.jit
 def fp8_wgrad_kernel(
-    g_ptr, stride_gn, gs_ptr, stride_gst,
-    x_ptr, stride_xk, xs_ptr, stride_xst,
+    g_src, stride_gn, gs_ptr, stride_gst,
+    x_src, stride_xk, xs_ptr, stride_xst,
     dw_ptr, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
-    UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, GROUP_N: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     expert = tl.program_id(1)
@@ -59,22 +63,23 @@ def fp8_wgrad_kernel(
 
     tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + expert)
     tile_end = tl.load(sched_ptr + 1 * NUM_GROUPS + expert)
-    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + expert)
-    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + expert)
 
     cols_n = pid_n * BN + tl.arange(0, BN)
     cols_k = pid_k * BK + tl.arange(0, BK)
     n_in = tl.minimum(cols_n, N - 1)
     k_in = tl.minimum(cols_k, K - 1)
-    toks = tl.arange(0, BT)
-    g_ptrs = g_ptr + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
-    x_ptrs = x_ptr + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
+    if not USE_TMA:
+        toks = tl.arange(0, BT)
+        g_ptrs = g_src + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
+        x_ptrs = x_src + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for t in range(tile_start, tile_end):
-        r0 = row_start + (t - tile_start) * BT
-        ok = (r0 + toks) < row_end
-        g = tl.load(g_ptrs + r0, mask=ok[None, :], other=0.0)
-        x = tl.load(x_ptrs + r0, mask=ok[None, :], other=0.0)
+        if USE_TMA:
+            g = g_src.load([pid_n * BN, t * BT])
+            x = x_src.load([pid_k * BK, t * BT])
+        else:
+            g = tl.load(g_ptrs + t * BT)
+            x = tl.load(x_ptrs + t * BT)
         gs = tl.load(gs_ptr + t * stride_gst + n_in)
         xs = tl.load(xs_ptr + t * stride_xst + k_in)
         if UPCAST:
@@ -93,16 +98,26 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
     num_experts, n, k = dw.shape
     if g.data_t is None or x.data_t is None:
         raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t)")
-    if tuple(g.data_t.shape[:1]) != (n,) or tuple(x.data_t.shape[:1]) != (k,):
+    if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
         raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}^T, x {tuple(x.data_t.shape)}^T")
     cfg = config or default_config()
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
+    use_tma = cfg.use_tma and fp8_gemm.USE_TMA_DEFAULT and all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        slots = g.data_t.shape[1]
+        g_src = TensorDescriptor(g.data_t, [n, slots], [slots, 1], [cfg.block_n, BLOCK])
+        x_src = TensorDescriptor(x.data_t, [k, slots], [slots, 1], [cfg.block_k, BLOCK])
+    else:
+        g_src, x_src = g.data_t, x.data_t
     fp8_wgrad_kernel[grid](
-        g.data_t, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0),
-        x.data_t, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0),
+        g_src, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0),
+        x_src, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0),
         dw, dw.stride(0), dw.stride(1),
         schedule, n, k, num_experts + 1,
-        UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=BLOCK, GROUP_N=cfg.group_n,
+        USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=BLOCK, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
