@@ -305,6 +305,10 @@ def counts_on_device(tokens_per_expert, device: torch.device) -> torch.Tensor:
         _HOST_COUNTS_ON_DEVICE[key] = cached
     if capturing:
         _HOST_COUNTS_CAPTURED.add(key)
+    elif device.type == "cuda":
+        # The copy may be read on another stream than the one that allocated it; without this,
+        # evicting it could hand its memory to a new tensor while that stream still reads it.
+        cached.record_stream(torch.cuda.current_stream(device))
     return cached
 
 
