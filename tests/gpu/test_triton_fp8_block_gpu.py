@@ -12,7 +12,8 @@ measured errors). The checks are those of tests/test_triton_fp8_block_interprete
   tighter: Hopper's FP8 wgmma accumulates one 128-block with reduced precision (~14 bits,
   DeepSeek-V3 report; Triton's default on sm_90), so a requantized value (a, dh) that sits next to
   an FP8 rounding boundary can land one FP8 step (6-12%) away from the reference's; ~1% of them do
-  at most, which moves the outputs by ~1e-2 in norm. vs the FP64 fake-quantized ground truth: <= 3e-2;
+  at most, which moves the outputs by ~1e-2 in norm. vs the FP64 fake-quantized ground truth: <= 3e-2.
+  With h saved in BF16 (the default) both bounds are 4e-2 (dh also sees h rounded to BF16);
 - a CUDA graph of forward + backward replayed with three routings, and after an in-place weight
   update (the graph re-quantizes the weights on replay: the weight cache is bypassed while capturing).
 """
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.gpu
 
 GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
 GPU_BOUND, GPU_FP64_BOUND = 2e-2, 3e-2
+HBF16_BOUND = 4e-2  # h saved in BF16 (the default): dh also sees h rounded (1.1e-2 seen under the interpreter)
 
 
 def test_codec_bit_exact_on_gpu():
@@ -51,8 +53,7 @@ def test_weight_cache_on_gpu():
     assert c["fresh_bad"] == 0 and c["nbytes"] == c["expected_nbytes"], c
 
 
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "ptr"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("tma,seed", [(True, 0), (True, 1), (False, 0)], ids=["tma-empty", "tma", "ptr-empty"])
 def test_every_kernel_exact_on_integer_data_gpu(tma, seed):
     bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma)
     print("FP8_EXACT", json.dumps(bad))
@@ -61,14 +62,13 @@ def test_every_kernel_exact_on_integer_data_gpu(tma, seed):
 
 
 # (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, f32_scales, tma, frozen)
-GPU_CASES = [
+GPU_CASES = [  # few, because each activation / option combination compiles its own kernels
     ("swiglu-balanced", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, False, True, ()),
-    ("swiglu-zipf-hbf16", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 0, False, False, True, ()),
-    ("gptoss-empty", 4096, 512, 256, 16, "gpt_oss_swiglu", True, True, "empty", 100, True, False, True, ()),
-    ("srelu-one", 2048, 256, 384, 8, "srelu", False, True, "one", 5, True, False, True, ()),
-    ("geglu-ptr-f32scales", 2048, 384, 256, 4, "geglu", True, False, "zipf", 3, True, True, False, ()),
-    ("silu-E64-frozenx", 8192, 256, 128, 64, "silu", True, True, "zipf", 0, True, False, True, ("x",)),
-    ("swiglu-hybrid", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 9, True, False, True, (), "HYBRID"),
+    ("gptoss-empty-frozenx", 4096, 512, 256, 16, "gpt_oss_swiglu", True, True, "empty", 100, True, False, True,
+     ("x",)),
+    ("geglu-one-ptr-f32scales", 2048, 384, 256, 4, "geglu", True, False, "one", 3, True, True, False, ()),
+    ("swiglu-zipf-hbf16-hybrid", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, False, True, (),
+     "HYBRID"),
 ]
 
 
@@ -86,10 +86,11 @@ def _no_host_syncs():
 def test_mlp_matches_reference_emulation_gpu(case):
     res = checks.run_mlp_case(case, "cuda", poison=True, triton_context=_no_host_syncs)
     print("FP8_MLP", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
+    bound, fp64_bound = (GPU_BOUND, GPU_FP64_BOUND) if case[10] else (HBF16_BOUND, HBF16_BOUND)
     for name, err in res["err"].items():
         assert res["nan"][name] == 0, (case[0], name, res)
-        assert err <= GPU_BOUND, f"{case[0]}: {name} rel. error vs reference emulation {err:.3g} > {GPU_BOUND}"
-        assert res["fp64"][name] <= GPU_FP64_BOUND, f"{case[0]}: {name} vs FP64 {res['fp64'][name]:.3g}"
+        assert err <= bound, f"{case[0]}: {name} rel. error vs reference emulation {err:.3g} > {bound}"
+        assert res["fp64"][name] <= fp64_bound, f"{case[0]}: {name} vs FP64 {res['fp64'][name]:.3g}"
     for name, bad in res["nonzero"].items():
         assert bad == 0, (case[0], name, res["nonzero"])
 
