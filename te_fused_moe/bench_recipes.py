@@ -254,7 +254,7 @@ def weight_cache_report(inputs) -> Dict[str, float]:
     weights, both layouts), vs re-quantizing every micro-batch."""
     from .backends.triton.fp8_block.quantize import FP8Spec, WeightCache
 
-    cache = WeightCache()
+    cache = WeightCache(follow_optimizer_steps=False)
     spec = FP8Spec()
     w1, w2 = inputs["w1"], inputs["w2"]
     bf16_bytes = (w1.numel() + w2.numel()) * w1.element_size()

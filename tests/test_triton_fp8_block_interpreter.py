@@ -240,9 +240,23 @@ def check_weight_cache(device: str) -> dict:
         w.add_(1.0)  # what optimizer.step() does to the parameter
     fresh = cache.get(w, spec)
     rw = ref.quantize(w[1].detach().cpu(), (128, 128), axis=1)
-    return dict(same_object=same_object, misses_before=misses_before, misses_after=cache.misses,
-                refreshed=fresh is not first, fresh_bad=_diff8(fresh.data[1], rw.data), nbytes=cache.nbytes,
-                expected_nbytes=2 * w.numel() + 4 * 2 * 2 * 1)
+    out = dict(same_object=same_object, misses_before=misses_before, misses_after=cache.misses,
+               refreshed=fresh is not first, fresh_bad=_diff8(fresh.data[1], rw.data), nbytes=cache.nbytes,
+               expected_nbytes=2 * w.numel() + 4 * 2 * 2 * 1)
+    # Megatron's optimizers write the new weights through param.data (no version bump) after the inner
+    # torch.optim step: the step's post-hook must still refresh the copy
+    other = torch.nn.Parameter(torch.ones(1, device=device))
+    opt = torch.optim.SGD([other], lr=0.1)
+    other.grad = torch.ones_like(other)
+    w.data.copy_(w.data * 2)
+    out["stale_without_step"] = cache.get(w, spec) is fresh
+    opt.step()
+    after_step = cache.get(w, spec)
+    rw = ref.quantize(w[1].detach().cpu(), (128, 128), axis=1)
+    out["refreshed_after_step"] = after_step is not fresh and _diff8(after_step.data[1], rw.data) == 0
+    out["hit_after_step"] = cache.get(w, spec) is after_step
+    cache._hook.remove()
+    return out
 
 
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
@@ -494,6 +508,8 @@ def test_weight_cache_refreshes_once_per_step(results):
     assert c["same_object"] and c["misses_before"] == 1, c
     assert c["refreshed"] and c["misses_after"] == 2 and c["fresh_bad"] == 0, c
     assert c["nbytes"] == c["expected_nbytes"], c
+    # writes through .data bypass the version counter (limitation, documented); an optimizer step refreshes
+    assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
 @pytest.mark.parametrize("key", ["exact", "exact_ptr"])

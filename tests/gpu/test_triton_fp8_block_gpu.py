@@ -51,6 +51,7 @@ def test_weight_cache_on_gpu():
     c = checks.check_weight_cache("cuda")
     assert c["same_object"] and c["misses_before"] == 1 and c["refreshed"] and c["misses_after"] == 2, c
     assert c["fresh_bad"] == 0 and c["nbytes"] == c["expected_nbytes"], c
+    assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
 @pytest.mark.parametrize("tma,seed", [(True, 0), (True, 1), (False, 0)], ids=["tma-empty", "tma", "ptr-empty"])

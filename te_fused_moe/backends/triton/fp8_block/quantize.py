@@ -226,22 +226,36 @@ def quantize_weight(w: torch.Tensor, spec: FP8Spec, *, transposed: bool = True,
 class WeightCache:
     """Quantized weights refreshed once per optimizer step, not per micro-batch (TE's behaviour).
 
-    A weight's quantized copy is reused while the tensor is unchanged: same object, same storage and
-    the same ``_version`` (every in-place update, e.g. ``optimizer.step()`` or ``copy_``, bumps it).
-    Only host-side metadata is read, so a lookup never waits for the GPU. Entries die with their
-    weight (weak keys). While a CUDA graph is being captured the weight is quantized inside the graph
-    and not cached: a replay after an optimizer step must see the new weights.
+    A weight's quantized copy is reused while all of these stay the same: the tensor object, its
+    storage, its ``_version`` (every in-place update through the parameter bumps it) and the cache's
+    *generation*, which every ``torch.optim`` optimizer step bumps (a global step post-hook). The
+    generation catches updates that bypass the version counter, e.g. Megatron's optimizers copying
+    the main FP32 weights back with ``param.data.copy_(...)`` after the inner step. Anything else
+    that rewrites weights behind autograd's back must call :meth:`invalidate`. Only host-side
+    metadata is read, so a lookup never waits for the GPU. Entries die with their weight (weak keys).
+    While a CUDA graph is being captured the weight is quantized inside the graph and not cached: a
+    replay after an optimizer step must see the new weights.
     """
 
-    def __init__(self):
+    def __init__(self, follow_optimizer_steps: bool = True):
         from torch.utils.weak import WeakIdKeyDictionary
 
         self._entries = WeakIdKeyDictionary()
+        self.generation = 0
         self.hits = 0
         self.misses = 0
+        self._hook = None
+        if follow_optimizer_steps:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._hook = register_optimizer_step_post_hook(lambda *_: self.invalidate())
+
+    def invalidate(self) -> None:
+        """Treat every cached copy as stale (cheap: entries are re-quantized on their next use)."""
+        self.generation += 1
 
     def get(self, w: torch.Tensor, spec: FP8Spec, transposed: bool = True) -> QuantizedWeight:
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed)
+        key = (self.generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed)
         capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:
             entry = self._entries.get(w)
