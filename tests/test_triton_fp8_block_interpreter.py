@@ -291,7 +291,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     xq = Q.quantize_rows(d(x), sched, E, spec, rowwise=True, colwise=True, alloc=alloc)
     w1q, w2q = Q.quantize_weight(d(w1), spec), Q.quantize_weight(d(w2), spec)
     h = _poisoned(torch.empty(T, n1, device=device))
-    aq = Q.QuantizedRows(alloc((T, F), device=device, dtype=spec.torch_dtype), alloc((T, F // 128), device=device, dtype=torch.float32),
+    aq = Q.QuantizedRows(alloc((T, F), device=device, dtype=spec.torch_dtype), Q.new_row_scales(T, F, h, alloc),
                          Q.new_transposed(F, T, E, h, spec.torch_dtype, alloc), alloc((tiles, F), device=device, dtype=torch.float32))
     p = d(probs, torch.float32)
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
@@ -299,7 +299,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     y = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=alloc)
-    dhq = Q.QuantizedRows(alloc((T, n1), device=device, dtype=spec.torch_dtype), alloc((T, n1 // 128), device=device, dtype=torch.float32),
+    dhq = Q.QuantizedRows(alloc((T, n1), device=device, dtype=spec.torch_dtype), Q.new_row_scales(T, n1, h, alloc),
                           Q.new_transposed(n1, T, E, h, spec.torch_dtype, alloc), alloc((tiles, n1), device=device, dtype=torch.float32))
     dprob = _poisoned(torch.empty(F // 128, T, device=device))
     dbias = _poisoned(torch.empty(tiles, n1, device=device))

@@ -32,7 +32,7 @@ from ..schedule import build_schedule
 from ..wgrad import bias_grad_kernel
 from ..grouped_gemm import interpreting
 from . import gemm
-from .quantize import BLOCK, FP8Spec, QuantizedRows, WEIGHT_CACHE, new_transposed, quantize_rows
+from .quantize import BLOCK, FP8Spec, QuantizedRows, WEIGHT_CACHE, new_row_scales, new_transposed, quantize_rows
 from .wgrad import fp8_grouped_wgrad, tile_sums_to_experts
 
 # dtype of the saved FC1 output h (None: x's dtype). Tests set torch.float32 to compare with the reference.
@@ -53,7 +53,7 @@ def _new_rows(num_rows: int, width: int, like: torch.Tensor, spec: FP8Spec, num_
     q = QuantizedRows()
     if rowwise:
         q.data = _new((num_rows, width), like, spec.torch_dtype)
-        q.scale = _new((num_rows, width // BLOCK), like, torch.float32)
+        q.scale = new_row_scales(num_rows, width, like, ALLOC)
     if colwise:
         q.data_t = new_transposed(width, num_rows, num_experts, like, spec.torch_dtype, ALLOC)
         q.scale_t = _new((max_m_tiles(num_rows, num_experts, BLOCK), width), like, torch.float32)

@@ -74,7 +74,7 @@ def default_config(kind: str) -> FP8GemmConfig:
 
 
 @triton.jit
-def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr, stride_qtn,
+def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
                      qts_ptr, stride_qtst, value_for_inf, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                      MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """Quantize the FP32 tile ``v`` [128 rows, 128 columns ``cols``]: rowwise (one block per row)
@@ -84,7 +84,7 @@ def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, st
         scale, inv = block_scale(tl.max(nan_free_abs(v), axis=1), FP8_MAX, POW2, value_for_inf)
         codes = encode_fp8(v * scale[:, None], MANT, EBIAS, FP8_MAX)
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
-        tl.store(qs_ptr + rows64 * stride_qsm + tl.min(cols, axis=0) // 128, inv, mask=row_ok)
+        tl.store(qs_ptr + rows64 * stride_qsm + (tl.min(cols, axis=0) // 128) * stride_qsk, inv, mask=row_ok)
     if COLWISE:
         amax_c = tl.max(tl.where(mask, nan_free_abs(v), 0.0), axis=0)
         scale_c, inv_c = block_scale(amax_c, FP8_MAX, POW2, value_for_inf)
@@ -96,10 +96,10 @@ def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, st
 
 @triton.jit
 def fp8_grouped_gemm_kernel(
-    a_src, stride_am, as_ptr, stride_asm,
+    a_src, stride_am, as_ptr, stride_asm, stride_ask,
     b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS, b_up_rows,
     c_ptr, stride_cm,
-    q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr, stride_qtn, qts_ptr, stride_qtst, q_up_offset,
+    q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, q_up_offset,
     h_ptr, stride_hm, h_up_offset,
     bias_ptr, stride_bias_e, bias_up_offset,
     probs_ptr, dprob_ptr, stride_dprob_part,
@@ -161,7 +161,7 @@ def fp8_grouped_gemm_kernel(
         else:
             a = tl.load(a_ptrs + k0)
             b = tl.load(b_ptrs + k0)
-        sa = tl.load(as_ptr + rows_in * stride_asm + kt)
+        sa = tl.load(as_ptr + rows_in * stride_asm + kt * stride_ask)
         sb = tl.load(sb_ptrs + kt * stride_bsk)
         if UPCAST:
             a = a.to(tl.float32)
@@ -205,7 +205,7 @@ def fp8_grouped_gemm_kernel(
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
             value = value * p[:, None]
         value = tl.where(is_padding, 0.0, value)
-        _store_quantized(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr,
+        _store_quantized(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
                          stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
     else:
         # acc = da, the gradient of act(h) * p
@@ -229,11 +229,11 @@ def fp8_grouped_gemm_kernel(
             if GATED:
                 tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
         dg = tl.where(is_padding, 0.0, dg)
-        _store_quantized(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, qt_ptr,
+        _store_quantized(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
                          stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
         if GATED:
             du = tl.where(is_padding, 0.0, du)
-            _store_quantized(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm,
+            _store_quantized(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
                              qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
                              FP8_MAX, POW2)
 
@@ -280,11 +280,12 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     q_data = q.data.view(torch.uint8) if rowwise else (q.data_t.view(torch.uint8) if colwise else a.view(torch.uint8))
     qt_data = q.data_t.view(torch.uint8) if colwise else q_data
     return fp8_grouped_gemm_kernel[grid](
-        a_src, a.stride(0), a_scale, a_scale.stride(0),
+        a_src, a.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1),
         b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b_rows,
         b_up_rows,
         c if c is not None else dummy_f, c.stride(0) if c is not None else 0,
         q_data, q.data.stride(0) if rowwise else 0, q.scale if rowwise else dummy_f, q.scale.stride(0) if rowwise else 0,
+        q.scale.stride(1) if rowwise else 0,
         qt_data, q.data_t.stride(0) if colwise else 0, q.scale_t if colwise else dummy_f,
         q.scale_t.stride(0) if colwise else 0, q_up_offset,
         h if h is not None else dummy_f, h.stride(0) if h is not None else 0, h_up_offset,

@@ -3,7 +3,9 @@
 Layouts (what the FP8 GEMMs read; Hopper's FP8 wgmma wants both operands K-major):
 
 - rowwise activation/gradient ``data [T, K]`` (FP8) + ``scale [T, cdiv(K, 128)]`` (FP32, TE's
-  ``scale_inv``): 1x128 blocks along K, the operand of the fprop/dgrad GEMMs.
+  ``scale_inv``): 1x128 blocks along K, the operand of the fprop/dgrad GEMMs. ``scale`` is stored
+  K-block-major (a ``[cdiv(K, 128), T]`` buffer seen transposed, as DeepGEMM keeps its LHS scales):
+  a GEMM's K step then loads its tile's 128 row scales from one contiguous 512-byte run.
 - columnwise copy ``data_t [K, 128 * max_m_tiles]`` (FP8, stored transposed like TE's columnwise
   data) + ``scale_t [max_m_tiles, K]``: 1x128 blocks along the tokens that restart at each expert's
   first row, i.e. one block per M tile of the device schedule built with ``block_m = 128``. Tile
@@ -60,6 +62,11 @@ class FP8Spec:
         return dict(MANT=self.mant, EBIAS=self.bias, FP8_MAX=self.max_value, POW2=self.pow2)
 
 
+def new_row_scales(num_rows: int, k: int, like: torch.Tensor, alloc=torch.empty) -> torch.Tensor:
+    """``[T, cdiv(K, 128)]`` FP32 row scales, stored K-block-major (strides ``(1, T)``)."""
+    return alloc((triton.cdiv(k, BLOCK), num_rows), device=like.device, dtype=torch.float32).t()
+
+
 def new_transposed(cols: int, num_rows: int, num_experts: int, like: torch.Tensor, dtype: torch.dtype,
                    alloc=torch.empty) -> torch.Tensor:
     """``[cols, 128 * max_m_tiles]`` buffer of a columnwise copy (one 128-column slot per tile)."""
@@ -84,7 +91,7 @@ class QuantizedRows:
 @triton.jit
 def quantize_tiles_kernel(
     x_ptr, stride_xm,
-    q_ptr, stride_qm, qs_ptr, stride_qsm,
+    q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
     qt_ptr, stride_qtk, qts_ptr, stride_qtst,
     sched_ptr, K, value_for_inf, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
@@ -113,7 +120,7 @@ def quantize_tiles_kernel(
         scale, inv = block_scale(tl.max(nan_free_abs(x), axis=1), FP8_MAX, POW2, value_for_inf)
         codes = encode_fp8(x * scale[:, None], MANT, EBIAS, FP8_MAX)
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
-        tl.store(qs_ptr + rows64 * stride_qsm + pid_k, inv, mask=row_ok)
+        tl.store(qs_ptr + rows64 * stride_qsm + pid_k * stride_qsk, inv, mask=row_ok)
     if COLWISE:
         scale_c, inv_c = block_scale(tl.max(nan_free_abs(x), axis=0), FP8_MAX, POW2, value_for_inf)
         codes_c = tl.where(row_ok[:, None], encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0)
@@ -168,7 +175,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
     if rowwise:
         out.data = alloc((num_rows, k), device=x.device, dtype=spec.torch_dtype)
-        out.scale = alloc((num_rows, kb), device=x.device, dtype=torch.float32)
+        out.scale = new_row_scales(num_rows, k, x, alloc)
     if colwise:
         out.data_t = new_transposed(k, num_rows, num_experts, x, spec.torch_dtype, alloc)
         out.scale_t = alloc((m_tiles, k), device=x.device, dtype=torch.float32)
@@ -177,7 +184,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     quantize_tiles_kernel[(m_tiles, kb)](
         x, x.stride(0),
         _codes(out.data) if rowwise else dummy_q, out.data.stride(0) if rowwise else 0,
-        out.scale if rowwise else dummy_s, out.scale.stride(0) if rowwise else 0,
+        out.scale if rowwise else dummy_s, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
         _codes(out.data_t) if colwise else dummy_q, out.data_t.stride(0) if colwise else 0,
         out.scale_t if colwise else dummy_s, out.scale_t.stride(0) if colwise else 0,
         schedule, k, float(value_for_inf), num_experts + 1,
