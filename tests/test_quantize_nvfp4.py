@@ -267,3 +267,89 @@ def test_bad_inputs_raise():
         nvfp4.quantize(torch.zeros(2, 16), global_amax=torch.zeros(2))
     with pytest.raises(TypeError, match="q"):
         nvfp4.dequantize(torch.zeros(3))
+
+
+# --------------------------------------------------------------------------- per-row (per-group) tensor scales
+
+def _group_rows(sizes):
+    """Row -> group id for groups of the given row counts (each a multiple of 16)."""
+    return torch.cat([torch.full((n,), g, dtype=torch.int64) for g, n in enumerate(sizes)])
+
+
+def _per_group_inputs(seed, sizes, cols):
+    g = generator(seed)
+    rows = sum(sizes)
+    # Each group has its own magnitude, so a shared tensor scale would quantize some groups coarsely.
+    mag = torch.exp2(torch.randint(-12, 12, (len(sizes),), generator=g).float())
+    x = torch.randn(rows, cols, generator=g) * mag[_group_rows(sizes)][:, None]
+    amax = torch.stack([x[_group_rows(sizes) == i].abs().amax() if n else torch.tensor(0.0)
+                        for i, n in enumerate(sizes)])
+    return x, amax[_group_rows(sizes)], g
+
+
+@pytest.mark.parametrize("axis,block_2d", [(1, False), (0, False), (1, True), (0, True)])
+def test_row_global_amax_equals_quantizing_each_group_alone(axis, block_2d):
+    """Per-row amax (one value per group) gives, for every group, exactly the bytes, scales and
+    values of quantizing that group's rows alone with its own amax (TE's per-expert tensors)."""
+    seed = fresh_seed()
+    sizes = [32, 16, 64, 48]
+    x, row_amax, _ = _per_group_inputs(seed, sizes, 80)
+    q = nvfp4.quantize(x, axis=axis, block_2d=block_2d, row_global_amax=row_amax)
+    assert q.global_amax.shape == (x.shape[0],) and q.global_scale.shape == (x.shape[0],)
+    deq = nvfp4.dequantize(q)
+    deq64 = nvfp4.dequantize(q, dtype=torch.float64)
+    start = 0
+    for n in sizes:
+        rows = slice(start, start + n)
+        alone = nvfp4.quantize(x[rows], axis=axis, block_2d=block_2d)  # amax of the group's own rows
+        assert float(alone.global_amax) == float(row_amax[start]), seed
+        assert torch.equal(q.global_scale[rows], alone.global_scale.expand(n)), seed
+        if axis == 1:
+            assert torch.equal(q.data[rows], alone.data), seed
+        else:
+            assert torch.equal(q.data[start // 2:(start + n) // 2], alone.data), seed
+        s_rows = rows if (axis == 1 and not block_2d) else slice(start // 16, (start + n) // 16)
+        assert torch.equal(q.scale[s_rows].view(torch.uint8), alone.scale.view(torch.uint8)), seed
+        assert torch.equal(deq[rows], nvfp4.dequantize(alone)), seed
+        assert torch.equal(deq64[rows], nvfp4.dequantize(alone, dtype=torch.float64)), seed
+        start += n
+
+
+def test_row_global_amax_with_one_value_is_the_per_tensor_quantizer():
+    seed = fresh_seed()
+    x = nasty_blocks(8, 16 * 5, 16, 6.0, E2M1_GRID, seed)
+    amax = formats.nan_ignoring_amax(x.reshape(-1), dim=0) * 1.5  # the blocks hold NaN and Inf on purpose
+    for axis, block_2d in ((1, False), (0, False), (1, True)):
+        a = nvfp4.quantize(x, axis=axis, block_2d=block_2d, global_amax=amax)
+        b = nvfp4.quantize(x, axis=axis, block_2d=block_2d, row_global_amax=amax.expand(x.shape[0]).clone())
+        assert torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+        torch.testing.assert_close(nvfp4.dequantize(a), nvfp4.dequantize(b), rtol=0, atol=0, equal_nan=True)
+
+
+def test_row_global_amax_stochastic_rounding_with_given_bits_matches_per_group():
+    seed = fresh_seed()
+    sizes = [16, 48, 32]
+    x, row_amax, g = _per_group_inputs(seed, sizes, 32)
+    bits = torch.randint(0, 256, x.shape, generator=g, dtype=torch.uint8)
+    for axis in (0, 1):
+        q = nvfp4.quantize(x, axis=axis, stochastic_rounding=True, random_bits=bits, row_global_amax=row_amax)
+        start = 0
+        for n in sizes:
+            rows = slice(start, start + n)
+            alone = nvfp4.quantize(x[rows], axis=axis, stochastic_rounding=True, random_bits=bits[rows].contiguous())
+            assert torch.equal(nvfp4.dequantize(q)[rows], nvfp4.dequantize(alone)), (seed, axis)
+            start += n
+
+
+def test_row_global_amax_zero_group_and_bad_inputs():
+    x = torch.randn(32, 16, generator=generator(fresh_seed()))
+    x[:16] = 0.0
+    amax = torch.cat([torch.zeros(16), x[16:].abs().amax().expand(16)])
+    q = nvfp4.quantize(x, row_global_amax=amax)
+    assert bool((nvfp4.dequantize(q)[:16] == 0).all()) and float(q.global_scale[0]) == 1.0  # S_enc = 1 for amax 0
+    with pytest.raises(ValueError, match=r"row_global_amax: expected a tensor of shape \(32,\)"):
+        nvfp4.quantize(x, row_global_amax=amax[:16])
+    with pytest.raises(ValueError, match="either global_amax or row_global_amax"):
+        nvfp4.quantize(x, row_global_amax=amax, global_amax=1.0)
+    with pytest.raises(ValueError, match="needs a 2-D t"):
+        nvfp4.quantize(x.reshape(2, 16, 16), row_global_amax=amax)

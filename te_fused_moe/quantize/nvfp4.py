@@ -32,6 +32,15 @@ has the input's shape with ``axis`` divided by 16 (rounded up); with ``block_2d`
 only) both dimensions are divided by 16. ``global_scale`` is ``S_dec`` (float32 scalar tensor) and
 ``global_amax`` the amax used.
 
+Per-row tensor scales (``row_global_amax``, 2-D input): TE quantizes each expert's slice of a
+grouped operand as its own tensor, with its own ``global_amax``. Passing one amax per row (every
+row of a group carries its group's amax) applies rules 1-3 above with that row's ``S_enc``: a 1x16
+block along the rows (``axis=1``) reads its row's value; a block along the columns (``axis=0``)
+and a 16x16 tile read the value of their first row, so groups must start on 16-row boundaries
+(the caller's contract; the grouped layouts start groups on 256-row boundaries). With a constant
+``row_global_amax`` the result is bit-identical to passing that value as ``global_amax``.
+``global_amax``/``global_scale`` of the result are then per-row ``[rows]`` tensors.
+
 Dequantize follows TE's ``dequantize_nvfp4.cuh``: ``e2m1 * (float(s) * global_amax *
 fp32(1/2688))`` in float32; in float64 the same product is formed without float32 rounding.
 """
@@ -87,18 +96,27 @@ def quantize(
     global_amax: Optional[torch.Tensor] = None,
     *,
     random_bits: Optional[torch.Tensor] = None,
+    row_global_amax: Optional[torch.Tensor] = None,
 ) -> NVFP4Tensor:
     """NVFP4-quantize ``t`` along ``axis`` (rules in the module doc).
 
     ``global_amax``: float32 scalar tensor (or float) to use instead of max |t| — e.g. the amax
     of a whole tensor when quantizing a slice. ``random_bits``: uint8 tensor of ``t``'s shape with
-    the 8 stochastic-rounding bits of each element; drawn from ``generator`` when omitted."""
+    the 8 stochastic-rounding bits of each element; drawn from ``generator`` when omitted.
+    ``row_global_amax``: float32 ``[rows]`` tensor, one tensor amax per row of a 2-D ``t`` (its
+    group's), instead of one for the whole tensor (module doc, "Per-row tensor scales")."""
     x = float32_input("t", t)
     axis = normalize_axis("axis", axis, x.dim())
     if block_2d and x.dim() != 2:
         raise ValueError(f"t: 2D 16x16 blocks need a 2-D tensor, got shape {tuple(x.shape)}")
-    amax = _global_amax(x, global_amax)
-    s_enc = global_encode_scale(amax)
+    if row_global_amax is None:
+        amax = _global_amax(x, global_amax)
+        s_enc = global_encode_scale(amax)
+    else:
+        if global_amax is not None:
+            raise ValueError("row_global_amax: pass either global_amax or row_global_amax, not both")
+        amax = _row_global_amax(x, row_global_amax)
+        s_enc = _block_broadcast(global_encode_scale(amax), axis, block_2d)
     s_dec = torch.tensor(1.0, dtype=torch.float32, device=x.device) / s_enc
 
     if block_2d:
@@ -132,6 +150,8 @@ def quantize(
     else:
         codes = from_blocks_1d(codes, axis, n)
         scale = scale_codes.squeeze(-1).movedim(-1, axis)
+    if row_global_amax is not None:  # report S_dec per row, like the amax
+        s_dec = torch.tensor(1.0, dtype=torch.float32, device=x.device) / global_encode_scale(amax)
     return NVFP4Tensor(
         data=pack_e2m1(codes, axis),
         scale=formats.codes_to_fp8(scale.contiguous(), formats.E4M3),
@@ -155,6 +175,33 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
     if global_amax.device != x.device:
         raise ValueError(f"global_amax: expected a tensor on {x.device}, got one on {global_amax.device}")
     return global_amax.reshape(()).to(torch.float32)
+
+
+def _row_global_amax(x: torch.Tensor, row_global_amax) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"row_global_amax: needs a 2-D t (one amax per row), got shape {tuple(x.shape)}")
+    if not isinstance(row_global_amax, torch.Tensor) or tuple(row_global_amax.shape) != (x.shape[0],):
+        raise ValueError(f"row_global_amax: expected a tensor of shape ({x.shape[0]},), one amax per row of t")
+    if row_global_amax.device != x.device:
+        raise ValueError(f"row_global_amax: expected a tensor on {x.device}, got one on {row_global_amax.device}")
+    if not row_global_amax.is_floating_point():
+        raise TypeError(f"row_global_amax: expected a float tensor, got {row_global_amax.dtype}")
+    return row_global_amax.to(torch.float32)
+
+
+def _first_row_of_blocks(per_row: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` -> ``[ceil(rows/16)]``: the value of each 16-row block's first row."""
+    return per_row[::BLOCK]
+
+
+def _block_broadcast(per_row: torch.Tensor, axis: int, block_2d: bool) -> torch.Tensor:
+    """A per-row value shaped to broadcast against the blocks :func:`quantize` builds."""
+    if block_2d:  # tiles (rb, 16, cb, 16) of x moved so that axis is last
+        first = _first_row_of_blocks(per_row)
+        return first[:, None, None, None] if axis == 1 else first[None, None, :, None]
+    if axis == 1:  # blocks (rows, nb, 16): each block lies in one row
+        return per_row[:, None, None]
+    return _first_row_of_blocks(per_row)[None, :, None]  # blocks (cols, nb, 16) along the rows
 
 
 def _random_bits(x, axis, block_2d, generator, random_bits) -> torch.Tensor:
@@ -198,11 +245,14 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
         raise ValueError(f"q.scale: expected shape {expected} for a tensor of shape {q.shape}, got {tuple(q.scale.shape)}")
     values = formats.decode(unpack_e2m1(q.data, axis, n), formats.E2M1, dtype)
     scale = formats.decode(q.scale.view(torch.uint8), formats.E4M3, dtype)
+    amax = q.global_amax
+    if amax.dim() == 1:  # per-row tensor amax: the scale's rows are rows (axis 1) or 16-row blocks
+        amax = (amax if (axis == 1 and not q.block_2d) else _first_row_of_blocks(amax))[:, None]
     if dtype == torch.float32:
         factor = torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32, device=values.device)
-        block_factor = scale * q.global_amax.to(torch.float32) * factor
+        block_factor = scale * amax.to(torch.float32) * factor
     else:
-        block_factor = scale * q.global_amax.to(torch.float64) / (E2M1_MAX * E4M3_MAX)
+        block_factor = scale * amax.to(torch.float64) / (E2M1_MAX * E4M3_MAX)
     if q.block_2d:
         tiles = to_blocks_2d(values, axis, BLOCK)
         moved_factor = block_factor.movedim(axis, -1)[:, None, :, None]
