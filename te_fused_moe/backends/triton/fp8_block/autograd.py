@@ -6,7 +6,8 @@ Forward (3 kernels; weights come from the per-step :data:`~.quantize.WEIGHT_CACH
 Backward (up to 6 kernels):
   quantize dy (rowwise for the dgrad, columnwise for w2's wgrad) -> FC2 dgrad with the dGLU epilogue
   (``dh`` quantized rowwise + columnwise, dprob partials, db1 per-tile sums) -> FC1 dgrad (dx) ->
-  wgrad of w2 and of w1 (FP8, per-token-block scales of both operands) -> db2, db1.
+  wgrad of w2 and of w1 (FP8, per-token-block scales of both operands) -> db1, db2 (per-expert sums of
+  per-tile column sums written by the dGLU epilogue and the dy quantize pass).
 
 Every GEMM operand is quantized along that GEMM's reduction axis as the reference backend emulates
 it (``te_fused_moe/backends/reference/gemm.py``): fprop x and w along K, dgrad grad and w along N,
@@ -29,8 +30,6 @@ import torch
 import triton
 
 from ..schedule import build_schedule
-from ..wgrad import bias_grad_kernel
-from ..grouped_gemm import interpreting
 from . import gemm
 from .quantize import BLOCK, FP8Spec, QuantizedRows, WEIGHT_CACHE, new_row_scales, new_transposed, quantize_rows
 from .wgrad import fp8_grouped_wgrad, tile_sums_to_experts
@@ -114,7 +113,10 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
         need_dact = need[0] or need[2] or need[4] or want_dprob
         dx = dw1 = dw2 = db1 = db2 = dprobs = None
 
-        dyq = quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=ALLOC)
+        # the dy quantize pass also writes per-tile column sums of dy: db2 without another read of dy
+        db2_parts = _new((_max_tiles(num_rows, num_experts), hidden), x, torch.float32) if need[5] else None
+        dyq = quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=ALLOC,
+                            col_sums=db2_parts)
         dhq = None
         if need_dact:
             dhq = _new_rows(num_rows, n1, x, spec, num_experts, rowwise=need[0], colwise=need[2])
@@ -138,11 +140,7 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
             fp8_grouped_wgrad(QuantizedRows(data_t=dyq.data_t, scale_t=dyq.scale_t), ctx.a_cols, schedule, dw2)
         if need[5]:
             db2 = _new((num_experts, hidden), x)
-            block_n, block_m = (32, 16) if interpreting() else (128, 64)
-            bias_grad_kernel[(triton.cdiv(hidden, block_n), num_experts)](
-                dy, dy.stride(0), db2, db2.stride(0), schedule, hidden, num_experts + 1,
-                UPCAST=interpreting(), BN=block_n, BM=block_m, num_warps=4,
-            )
+            tile_sums_to_experts(db2_parts, schedule, db2)
         if need[2]:
             dw1 = _new(w1.shape, w1)
             fp8_grouped_wgrad(QuantizedRows(data_t=dhq.data_t, scale_t=dhq.scale_t), ctx.x_cols, schedule, dw1)

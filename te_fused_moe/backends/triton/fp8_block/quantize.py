@@ -93,13 +93,15 @@ def quantize_tiles_kernel(
     x_ptr, stride_xm,
     q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
     qt_ptr, stride_qtk, qts_ptr, stride_qtst,
+    colsum_ptr, stride_cst,
     sched_ptr, K, value_for_inf, NUM_GROUPS,
-    ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr,
     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, 128 columns): rowwise 1x128 blocks of the tile's rows and,
-    with ``COLWISE``, one 128-token block per column (the tile's rows are one expert's block)."""
+    with ``COLWISE``, one 128-token block per column (the tile's rows are one expert's block); with
+    ``COLSUM`` the tile's FP32 column sums too (bias gradients, summed per expert later)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
@@ -116,6 +118,8 @@ def quantize_tiles_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if COLSUM:
+        tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0), mask=col_ok)
     if ROWWISE:
         scale, inv = block_scale(tl.max(nan_free_abs(x), axis=1), FP8_MAX, POW2, value_for_inf)
         codes = encode_fp8(x * scale[:, None], MANT, EBIAS, FP8_MAX)
@@ -162,14 +166,16 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: FP8Spec, *, rowwise: bool = True,
-                  colwise: bool = False, value_for_inf: float = FLOAT32_MAX, alloc=torch.empty) -> QuantizedRows:
+                  colwise: bool = False, value_for_inf: float = FLOAT32_MAX, alloc=torch.empty,
+                  col_sums: Optional[torch.Tensor] = None) -> QuantizedRows:
     """Quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
-    rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert)."""
+    rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert).
+    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``."""
     num_rows, k = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
     out = QuantizedRows()
-    if num_rows == 0 or not (rowwise or colwise):
+    if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
         return out
     kb = triton.cdiv(k, BLOCK)
     m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
@@ -179,16 +185,17 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     if colwise:
         out.data_t = new_transposed(k, num_rows, num_experts, x, spec.torch_dtype, alloc)
         out.scale_t = alloc((m_tiles, k), device=x.device, dtype=torch.float32)
-    dummy_q = _codes(out.data if rowwise else out.data_t)
-    dummy_s = out.scale if rowwise else out.scale_t
+    dummy_q = x.view(torch.uint8)
+    dummy_s = x
     quantize_tiles_kernel[(m_tiles, kb)](
         x, x.stride(0),
         _codes(out.data) if rowwise else dummy_q, out.data.stride(0) if rowwise else 0,
         out.scale if rowwise else dummy_s, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
         _codes(out.data_t) if colwise else dummy_q, out.data_t.stride(0) if colwise else 0,
         out.scale_t if colwise else dummy_s, out.scale_t.stride(0) if colwise else 0,
+        col_sums if col_sums is not None else dummy_s, col_sums.stride(0) if col_sums is not None else 0,
         schedule, k, float(value_for_inf), num_experts + 1,
-        ROWWISE=rowwise, COLWISE=colwise, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
+        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
         num_warps=4 if interpreting() else 8,
     )
     return out
