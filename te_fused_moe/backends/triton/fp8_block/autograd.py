@@ -87,7 +87,9 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
         gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, ffn, schedule, num_experts, spec, q=aq, h=h,
                     h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs, **act)
         gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, hidden, schedule, num_experts, spec, c=y, bias=b2)
-        ctx.save_for_backward(x, w1, w2, probs, h, tokens_per_expert)
+        # x itself is not kept: backward reads only its columnwise FP8 copy (and x's shape)
+        ctx.save_for_backward(w1, w2, probs, h)
+        ctx.x_shape = x.shape
         ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
         ctx.x_cols = QuantizedRows(data_t=xq.data_t, scale_t=xq.scale_t)
         ctx.a_cols = QuantizedRows(data_t=aq.data_t, scale_t=aq.scale_t)
@@ -103,10 +105,11 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
                     torch.zeros((w1.shape[0], w1.shape[1]), device=x.device, dtype=x.dtype) if need[4] else None,
                     torch.zeros((w1.shape[0], x.shape[1]), device=x.device, dtype=x.dtype) if need[5] else None,
                     zeros(probs, need[6]) if probs is not None else None, None, None)
-        x, w1, w2, probs, h, _counts = ctx.saved_tensors
+        w1, w2, probs, h = ctx.saved_tensors
+        like = w1  # new buffers like x: same dtype and device (validated)
         spec, schedule = ctx.grad_spec, ctx.schedule
         dy = dy.contiguous()
-        num_rows, hidden = x.shape
+        num_rows, hidden = ctx.x_shape
         num_experts, n1, _ = w1.shape
         ffn = w2.shape[2]
         want_dprob = probs is not None and need[6]
@@ -114,32 +117,32 @@ class TritonFP8BlockExpertMLP(torch.autograd.Function):
         dx = dw1 = dw2 = db1 = db2 = dprobs = None
 
         # the dy quantize pass also writes per-tile column sums of dy: db2 without another read of dy
-        db2_parts = _new((_max_tiles(num_rows, num_experts), hidden), x, torch.float32) if need[5] else None
+        db2_parts = _new((_max_tiles(num_rows, num_experts), hidden), like, torch.float32) if need[5] else None
         dyq = quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=ALLOC,
                             col_sums=db2_parts)
         dhq = None
         if need_dact:
-            dhq = _new_rows(num_rows, n1, x, spec, num_experts, rowwise=need[0], colwise=need[2])
+            dhq = _new_rows(num_rows, n1, like, spec, num_experts, rowwise=need[0], colwise=need[2])
             cfg = gemm.default_config("dact")
-            dprob_buf = _new((triton.cdiv(ffn, cfg.block_n), num_rows), x, torch.float32) if want_dprob else None
-            dbias_buf = _new((_max_tiles(num_rows, num_experts), n1), x, torch.float32) if need[4] else None
+            dprob_buf = _new((triton.cdiv(ffn, cfg.block_n), num_rows), like, torch.float32) if want_dprob else None
+            dbias_buf = _new((_max_tiles(num_rows, num_experts), n1), like, torch.float32) if need[4] else None
             gemm.launch("dact", dyq.data, dyq.scale, ctx.w2q.data_t, ctx.w2q.scale_t, ffn, schedule, num_experts,
                         spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
                         dbias=dbias_buf, config=cfg, **ctx.act)
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
             if need[4]:
-                db1 = _new((num_experts, n1), x)
+                db1 = _new((num_experts, n1), like)
                 tile_sums_to_experts(dbias_buf, schedule, db1)
         if need[0]:
-            dx = _new((num_rows, hidden), x)
+            dx = _new((num_rows, hidden), like)
             gemm.launch("dgrad", dhq.data, dhq.scale, ctx.w1q.data_t, ctx.w1q.scale_t, hidden, schedule, num_experts,
                         spec, c=dx)
         if need[3]:
             dw2 = _new(w2.shape, w2)
             fp8_grouped_wgrad(QuantizedRows(data_t=dyq.data_t, scale_t=dyq.scale_t), ctx.a_cols, schedule, dw2)
         if need[5]:
-            db2 = _new((num_experts, hidden), x)
+            db2 = _new((num_experts, hidden), like)
             tile_sums_to_experts(db2_parts, schedule, db2)
         if need[2]:
             dw1 = _new(w1.shape, w1)
