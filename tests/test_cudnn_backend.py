@@ -213,6 +213,8 @@ def test_supports_matrix():
     assert BACKEND.supports(ActivationConfig("gpt_oss_swiglu"), bf16, torch.bfloat16)
     for act in ("swiglu", "gpt_oss_swiglu", "srelu"):
         assert BACKEND.supports(ActivationConfig(act), MXFP8BlockScaling(), torch.bfloat16)
+    for act in ("swiglu", "gpt_oss_swiglu"):  # NVFP4 cases: tests/test_cudnn_nvfp4.py
+        assert BACKEND.supports(ActivationConfig(act), NVFP4BlockScaling(), torch.bfloat16)
     refused = [
         (ActivationConfig("geglu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
         (ActivationConfig("silu"), bf16, torch.bfloat16, "only for swiglu, gpt_oss_swiglu"),
@@ -221,8 +223,8 @@ def test_supports_matrix():
         (ActivationConfig("gpt_oss_swiglu", limit=10.0), bf16, torch.bfloat16, "GLU kernels alpha=1.702, limit=7.0 only"),
         (ActivationConfig("swiglu"), Float8BlockScaling(), torch.bfloat16, "not 128-element FP8 blocks"),
         (ActivationConfig("swiglu"), MXFP8BlockScaling(fp8_format=Format.HYBRID), torch.bfloat16, "of one FP8 dtype"),
-        (ActivationConfig("swiglu"), NVFP4BlockScaling(), torch.bfloat16, "recipe nvfp4: not driven yet"),
-        (ActivationConfig("srelu"), NVFP4BlockScaling(), torch.bfloat16, "recipe nvfp4: not driven yet"),
+        (ActivationConfig("srelu"), NVFP4BlockScaling(), torch.bfloat16, "swiglu and gpt_oss_swiglu only"),
+        (ActivationConfig("swiglu"), NVFP4BlockScaling(), torch.float16, "take bfloat16 parameters"),
         (ActivationConfig("swiglu"), bf16, torch.float16, "take bfloat16 parameters"),
     ]
     for act, recipe, dtype, why in refused:
@@ -593,7 +595,8 @@ class DocumentedBlockScaledEmulator(DocumentedKernelEmulator):
         dh = self._nan(m, n, torch.float64)
         dbias = torch.zeros(b.shape[0], n, 1, dtype=torch.float64) if generate_dbias else None
         for g, s, e in self._groups(padded_offsets):
-            r = alpha_tensor[g] * (a[s:e] @ b[g].T)
+            # dGLU scales by alpha^2 (square_alpha, moe_blockscaled_grouped_gemm_dglu_dbias.py), dsReLU by alpha
+            r = (alpha_tensor[g] ** 2 if kind == "dglu" else alpha_tensor[g]) * (a[s:e] @ b[g].T)
             prob, c = prob_tensor[s:e, None], c_tensor[s:e]
             if kind == "dglu":
                 dh[s:e], dprob = _documented_dglu_rows(c, r, prob, act_func, linear_offset, beta_tensor[g])

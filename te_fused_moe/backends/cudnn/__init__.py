@@ -13,9 +13,10 @@ What runs where:
 * Activations: ``swiglu`` and ``gpt_oss_swiglu`` (cuDNN's ``"geglu"``: clamped, alpha 1.702,
   limit 7, +1 on up), and ``srelu`` with MXFP8 only (its kernels take block-scaled operands only).
   cuDNN FE has no plain GeGLU, SiLU or GELU kernels.
-* Recipes: BF16 (:mod:`.kernels`) and MXFP8 with E4M3 for every role (:mod:`.blockscaled`; the
-  kernels need A and B of one dtype, so HYBRID is refused). NVFP4 is refused with the reason in
-  :meth:`CudnnBackend.supports`. None of this has run on SM100 hardware (docs/te_cudnn.md).
+* Recipes: BF16 (:mod:`.kernels`), MXFP8 with E4M3 for every role (:mod:`.blockscaled`; the
+  kernels need A and B of one dtype, so HYBRID is refused) and NVFP4 for the GLU activations
+  (:mod:`.fp4`: per-expert tensor scales, our quantizer for every operand; ``deterministic=True``
+  refused). None of this has run on SM100 hardware (docs/te_cudnn.md).
 """
 
 from __future__ import annotations
@@ -74,16 +75,16 @@ class CudnnBackend(Backend):
             return Availability(False, "recipe fp8_block: cuDNN Frontend's grouped kernels take MX/NV block scales "
                                        "(1x32/1x16), not 128-element FP8 blocks")
         if isinstance(recipe, NVFP4BlockScaling):
-            return Availability(
-                False,
-                "recipe nvfp4: not driven yet by this backend. cuDNN Frontend's kernels take NVFP4 operands, but (1) TE "
-                "gives each expert's slice its own FP32 tensor scale, which needs a per-group global amax our NVFP4 "
-                "quantizer does not take (it takes one per tensor); (2) with FP4 inputs the GLU/dGLU epilogues write "
-                "no FP4 output (D must be BF16/FP16/FP32), so the activation and dh need that same per-group "
-                "quantizer; (3) FP4 wgrad operands must be token-innermost copies. 2D weight blocks, RHT and "
-                "stochastic rounding would come from our quantizer. Use backend='reference' or 'triton'",
-            )
-        if isinstance(recipe, MXFP8BlockScaling):
+            if activation.name not in GLU_ACTIVATIONS:
+                return Availability(
+                    False,
+                    f"activation {activation.name!r} with recipe nvfp4: backend='cudnn' drives cuDNN Frontend's FP4 "
+                    f"kernels for swiglu and gpt_oss_swiglu only (its squared-ReLU wrappers are driven for MXFP8 "
+                    f"only); use backend='reference'",
+                )
+            # Every NVFP4BlockScaling setting (2D weight tiles, RHT, stochastic rounding) is applied by
+            # our quantizer before the kernels, which read 1x16 scales only (fp4.py).
+        elif isinstance(recipe, MXFP8BlockScaling):
             if recipe.fp8_format is not Format.E4M3:
                 return Availability(
                     False,
@@ -101,6 +102,16 @@ class CudnnBackend(Backend):
         if dtype != torch.bfloat16:
             return Availability(False, f"dtype {dtype}: cuDNN Frontend's grouped GEMM kernels take bfloat16 "
                                        f"parameters and write bfloat16 outputs here")
+        return Availability(True)
+
+    def supports_args(self, args: ExpertMLPArgs) -> Availability:
+        """Limits of one call the kernels impose beyond :meth:`supports` (NVFP4: H, deterministic)."""
+        if isinstance(args.recipe, NVFP4BlockScaling):
+            from .fp4 import call_limits
+
+            reason = call_limits(args)
+            if reason is not None:
+                return Availability(False, reason)
         return Availability(True)
 
     def forward(self, args: ExpertMLPArgs) -> torch.Tensor:

@@ -37,6 +37,7 @@ REQUIRED_PARAMETERS: Dict[str, Tuple[str, ...]] = {
     ),
     "grouped_gemm_wgrad_wrapper_sm100": (
         "a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor", "wgrad_dtype", "sf_vec_size",
+        "global_scale_a", "global_scale_b",  # NVFP4 (fp4.py): per-group tensor dequant scales
     ),
     # The MXFP8 path (blockscaled.py): FC2 and FC1 dgrad, and the squared-ReLU pair.
     "grouped_gemm_quant_wrapper_sm100": (

@@ -25,9 +25,9 @@ from typing import Set, Tuple
 
 import torch
 
-from ...recipes import MXFP8BlockScaling
+from ...recipes import MXFP8BlockScaling, NVFP4BlockScaling
 from ..base import ExpertMLPArgs
-from . import api
+from . import api, fp4
 from .blockscaled import CudnnMXFP8ExpertMLP
 from .layouts import (
     GROUP_ALIGN,
@@ -88,6 +88,10 @@ def cudnn_expert_mlp(args: ExpertMLPArgs) -> torch.Tensor:
 def run_expert_mlp(fe, args: ExpertMLPArgs) -> torch.Tensor:
     """The differentiable expert MLP on the entry points in ``fe`` (see :func:`.api.load`)."""
     check_shapes(args)
+    if isinstance(args.recipe, NVFP4BlockScaling):
+        reason = fp4.call_limits(args)
+        if reason is not None:
+            raise ValueError(reason)
     quantized = isinstance(args.recipe, MXFP8BlockScaling)
     if quantized and args.hidden_size % 32 != 0:
         raise ValueError(f"x: backend='cudnn' with MXFP8 needs H to be a multiple of 32 (1x32 scale blocks), "
@@ -114,6 +118,11 @@ def run_expert_mlp(fe, args: ExpertMLPArgs) -> torch.Tensor:
                 "its kernels on first use, so run one eager forward+backward with the same shapes before capturing"
             )
         _compiled_signatures.add(signature)
+    if isinstance(args.recipe, NVFP4BlockScaling):
+        return fp4.CudnnNVFP4ExpertMLP.apply(
+            args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
+            args.activation.name, args.recipe, kernel_offsets(args.tokens_per_expert), fe,
+        )
     if quantized:
         return CudnnMXFP8ExpertMLP.apply(
             args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
