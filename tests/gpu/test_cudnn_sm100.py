@@ -173,3 +173,66 @@ def test_cudnn_mxfp8_never_syncs_after_warmup():
         _run(p, "cudnn", "swiglu", dy, recipe="mxfp8")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# --------------------------------------------------------------------------- NVFP4 (FP4 operands, fp4.py)
+
+# Every FP4 operand is made by our quantizer (as the reference's), so with stochastic rounding off
+# both sides read the same bytes except where a kernel-written FP32 value (activation, dh) differs
+# from the reference's FP32 value by accumulation order and an element crosses an FP4 rounding
+# boundary; BF16 outputs add ~4e-3. 3e-2 flags a layout/alpha bug (those give O(1) errors, see the
+# CPU mutation test). Counts are multiples of 16: with RHT the reference crops the padded tail of a
+# ragged 16-token run, TE and the kernels do not (tests/test_cudnn_nvfp4.py).
+NVFP4_TOL = 3e-2
+
+
+def _nvfp4_problem(activation, bias, probs, routing):
+    p = _problem(activation, bias, probs, routing)
+    p["tokens_per_expert"] = p["tokens_per_expert"] // 16 * 16
+    return p
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss_swiglu"])
+@pytest.mark.parametrize("bias,probs", [(False, False), (True, True)])
+@pytest.mark.parametrize("routing", ["balanced", "empty", "one"])
+@pytest.mark.parametrize("two_d", [True, False])
+def test_cudnn_nvfp4_matches_reference(activation, bias, probs, routing, two_d):
+    _require_sm100()
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    recipe = NVFP4BlockScaling(disable_stochastic_rounding=True, disable_2d_quantization=not two_d)
+    p = _nvfp4_problem(activation, bias, probs, routing)
+    dy = torch.randn(p["x"].shape, device="cuda", dtype=torch.bfloat16)
+    y, grads = _run(p, "cudnn", activation, dy, recipe=recipe)
+    y_ref, grads_ref = _run(p, "reference", activation, dy, recipe=recipe)
+    plain = expert_mlp_fp64(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], activation, b1=p["b1"], b2=p["b2"],
+                            probs=p["probs"])
+    assert rel_err(y, y_ref) < NVFP4_TOL
+    assert rel_err(y, plain["y"]) > 1e-2  # FP4 rounding is really applied
+    routed = int(p["tokens_per_expert"].sum())
+    assert bool((y[routed:] == 0).all())
+    for name in ("x", "w1", "w2", "b1", "b2", "probs"):
+        if grads[name] is None:
+            continue
+        assert torch.isfinite(grads[name]).all(), name
+        assert rel_err(grads[name], grads_ref[name]) < NVFP4_TOL, name
+
+
+def test_cudnn_nvfp4_stochastic_rounding_and_no_sync():
+    _require_sm100()
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    recipe = NVFP4BlockScaling()
+    p = _nvfp4_problem("swiglu", True, True, "empty")
+    dy = torch.randn(p["x"].shape, device="cuda", dtype=torch.bfloat16)
+    _run(p, "cudnn", "swiglu", dy, recipe=recipe)  # compiles outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, grads = _run(p, "cudnn", "swiglu", dy, recipe=recipe)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    y_ref, grads_ref = _run(p, "reference", "swiglu", dy, recipe=recipe)
+    assert rel_err(y, y_ref) < NVFP4_TOL  # no stochastic rounding in the forward
+    for name in ("x", "w1", "w2"):  # independent SR draws on both sides: same gradient, noisier
+        assert rel_err(grads[name], grads_ref[name]) < 0.3, name

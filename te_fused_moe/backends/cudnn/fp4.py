@@ -98,7 +98,7 @@ def _per_row(amax: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 def dequant_scale(amax: torch.Tensor) -> torch.Tensor:
     """FP32 per-group dequant factor ``amax * fp32(1/2688)`` (TE's ``dequantize_nvfp4`` factor)."""
-    return amax * torch.tensor(1.0 / DEQUANT_DIVISOR, dtype=torch.float32, device=amax.device)
+    return amax * (1.0 / DEQUANT_DIVISOR)  # a Python scalar: float32 multiply, no host-to-device copy
 
 
 def gemm_alpha(a: FP4Operand, b: FP4Operand) -> torch.Tensor:
