@@ -187,8 +187,10 @@ def bench_impl(name: str, shape: bench.Shape, inputs, peak: float) -> Dict:
         bench.IMPLEMENTATIONS.pop(name, None)
 
 
-def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict[str, float]]:
-    """Each kernel of the fused FP8 block path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize)."""
+def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
+                      wgrad_config=None, only_gemms: bool = False) -> Dict[str, Dict[str, float]]:
+    """Each kernel of the fused FP8 block path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize); optionally
+    with given block configs (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU dgrad)."""
     from .backends.triton.fp8_block import gemm
     from .backends.triton.fp8_block.autograd import _new_rows
     from .backends.triton.fp8_block.quantize import FP8Spec, quantize_rows, quantize_weight
@@ -220,19 +222,24 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, 
         "quantize_weights": (lambda: (quantize_weight(w1, spec), quantize_weight(w2, spec)), None,
                              (w1.numel() + w2.numel()) * 4.0),
         "fc1_glu_quant": (lambda: gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq,
-                                              h=h, h_up_offset=F, b_up_rows=F, **kw), 2.0 * routed * H * n1, None),
-        "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y),
-                2.0 * routed * F * H, None),
+                                              h=h, h_up_offset=F, b_up_rows=F, config=epilogue_config, **kw),
+                          2.0 * routed * H * n1, None),
+        "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y,
+                                    config=gemm_config), 2.0 * routed * F * H, None),
         "quantize_dy_row_col": (lambda: quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True), None,
                                 T * H * 4.0),
         "fc2_dgrad_dglu_quant": (lambda: gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E,
                                                      spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
-                                                     dprob=dprob, **kw), 2.0 * routed * H * F, None),
+                                                     dprob=dprob, config=epilogue_config, **kw),
+                                 2.0 * routed * H * F, None),
         "fc1_dgrad": (lambda: gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec,
-                                          c=dx), 2.0 * routed * n1 * H, None),
-        "wgrad_w2": (lambda: fp8_grouped_wgrad(dyq, aq, sched, dw2), 2.0 * routed * H * F, None),
-        "wgrad_w1": (lambda: fp8_grouped_wgrad(dhq, xq, sched, dw1), 2.0 * routed * n1 * H, None),
+                                          c=dx, config=gemm_config), 2.0 * routed * n1 * H, None),
+        "wgrad_w2": (lambda: fp8_grouped_wgrad(dyq, aq, sched, dw2, config=wgrad_config), 2.0 * routed * H * F, None),
+        "wgrad_w1": (lambda: fp8_grouped_wgrad(dhq, xq, sched, dw1, config=wgrad_config), 2.0 * routed * n1 * H,
+                     None),
     }
+    if only_gemms:
+        kernels = {k: v for k, v in kernels.items() if v[1]}
     out = {}
     for name, (fn, flops, nbytes) in kernels.items():
         try:
@@ -247,6 +254,28 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, 
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def fp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
+    """The FP8 GEMM kernels under a few block configs (to choose the defaults on the device)."""
+    from .backends.triton.fp8_block.gemm import FP8GemmConfig as G
+    from .backends.triton.fp8_block.wgrad import FP8WgradConfig as W
+
+    variants = {
+        "default": {},
+        "stages3_bn128": dict(gemm_config=G(block_n=128, num_stages=3), epilogue_config=G(num_stages=4),
+                              wgrad_config=W(num_stages=3)),
+        "bn256_warps8": dict(gemm_config=G(block_n=256, num_stages=3), epilogue_config=G(num_stages=2),
+                             wgrad_config=W(block_n=128, block_k=128, num_stages=5)),
+        "warps4": dict(gemm_config=G(block_n=128, num_warps=4, num_stages=4),
+                       epilogue_config=G(num_warps=4, num_stages=3), wgrad_config=W(num_warps=4)),
+        "group16": dict(gemm_config=G(block_n=128, group_m=16, num_stages=4),
+                        epilogue_config=G(group_m=16, num_stages=3), wgrad_config=W(group_n=16)),
+    }
+    shape = bench.SHAPES[shape_name]
+    inputs = bench.make_inputs(shape)
+    fp8_peak = fp8_ceiling_tflops()
+    return {name: bench_fp8_kernels(shape, inputs, fp8_peak, only_gemms=True, **kw) for name, kw in variants.items()}
 
 
 def weight_cache_report(inputs) -> Dict[str, float]:
@@ -388,6 +417,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"comma-separated from {sorted(bench.SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the text table")
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
+    parser.add_argument("--variants", action="store_true",
+                        help="instead: time the FP8 GEMM kernels under a few block configs (first shape only)")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="start no new shape (nor the kernel timings) after this many seconds")
     args = parser.parse_args(argv)
@@ -397,6 +428,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--shapes: unknown {unknown}; expected names from {sorted(bench.SHAPES)}")
     if not torch.cuda.is_available():
         parser.error("the benchmark times FP8 kernels on a CUDA GPU (Hopper)")
+    if args.variants:
+        result = fp8_variants(names[0])
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"fp8_variants_{names[0]}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        for variant, kernels in result.items():
+            print(variant, "  ".join(f"{k} {v['ms']:.3f}ms {v.get('tflops', 0):.0f}TF" if "ms" in v else f"{k} FAILED"
+                                     for k, v in kernels.items()))
+        return 0
     report = run(names, out_dir=args.out, kernels=not args.no_kernels, budget_s=args.budget_s)
     print(summary_table(report))
     return 0
