@@ -290,7 +290,15 @@ def weight_cache_report(inputs) -> Dict[str, float]:
     cache.get(w1, spec), cache.get(w2, spec)
     requantize_ms = bench.do_bench_ms(lambda: (cache.clear(), cache.get(w1, spec), cache.get(w2, spec)))
     hit_ms = bench.do_bench_ms(lambda: (cache.get(w1, spec), cache.get(w2, spec)))
-    return {"bf16_weight_bytes": bf16_bytes, "fp8_cache_bytes": cache.nbytes,
+    # what each fused path keeps for backward (bytes), besides the weights
+    from .backends.triton.schedule import max_m_tiles
+
+    T, H = inputs["x"].shape
+    n1, F = w1.shape[1], w2.shape[2]
+    slots = 128 * max_m_tiles(T, w1.shape[0], 128)
+    saved = {"bf16_fused": 2 * T * H + 2 * T * n1 + 2 * T * F,  # x, h, a
+             "fp8_block_fused": 2 * T * n1 + (H + F) * slots + 4 * (H + F) * (slots // 128)}  # h, x/a columnwise
+    return {"bf16_weight_bytes": bf16_bytes, "fp8_cache_bytes": cache.nbytes, "saved_for_backward_bytes": saved,
             "requantize_ms_per_microbatch": requantize_ms, "cache_hit_ms": hit_ms,
             "note": "the cache keeps w and w^T in FP8 (1 byte each) + 128x128 scales: as many bytes as the "
                     "BF16 weights; each cached micro-batch skips requantize_ms of weight quantization"}
@@ -394,6 +402,9 @@ def summary_table(report: Dict) -> str:
             lines.append(f"  weight cache: {w['fp8_cache_bytes'] / 2**30:.2f} GiB held (bf16 weights "
                          f"{w['bf16_weight_bytes'] / 2**30:.2f} GiB); saves {w['requantize_ms_per_microbatch']:.3f} ms "
                          f"of weight quantization per micro-batch (hit {w['cache_hit_ms'] * 1e3:.1f} us)")
+            sv = w["saved_for_backward_bytes"]
+            lines.append(f"  saved for backward: bf16 fused {sv['bf16_fused'] / 2**30:.2f} GiB (x, h, a), fp8 block fused "
+                         f"{sv['fp8_block_fused'] / 2**30:.2f} GiB (h, FP8 columnwise x and a)")
     return "\n".join(lines)
 
 
