@@ -418,3 +418,124 @@ def test_nvfp4_supports_and_refusals():
     with pytest.raises(ValueError, match="H to be a multiple of 32"):
         kernels.run_expert_mlp(DocumentedNVFP4Emulator(), args)
     assert BACKEND.supports_args(ExpertMLPArgs(**base))
+
+
+# --------------------------------------------------------------------------- every operand of a whole run, bit-exact
+
+class RecordingNVFP4Emulator(DocumentedNVFP4Emulator):
+    """Keeps every call's arguments and outputs, in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def _record(self, name, kw, out):
+        self.log.append((name, kw, out))
+        return out
+
+    def grouped_gemm_glu_wrapper_sm100(self, **kw):
+        return self._record("glu", kw, super().grouped_gemm_glu_wrapper_sm100(**kw))
+
+    def grouped_gemm_quant_wrapper_sm100(self, **kw):
+        return self._record("quant_gemm", kw, super().grouped_gemm_quant_wrapper_sm100(**kw))
+
+    def grouped_gemm_dglu_wrapper_sm100(self, **kw):
+        return self._record("dglu", {k: (v.clone() if k == "dprob_tensor" else v) for k, v in kw.items()},
+                            super().grouped_gemm_dglu_wrapper_sm100(**kw))
+
+    def grouped_gemm_wgrad_wrapper_sm100(self, **kw):
+        return self._record("wgrad", kw, super().grouped_gemm_wgrad_wrapper_sm100(**kw))
+
+
+def _expect_rows(data, atoms, src, counts):
+    """``data``/``atoms`` (padded rows, 1x16 along columns) hold nvfp4.quantize of each expert's rows of
+    ``src`` (padded layout) with that expert's own amax; returns the amax per expert."""
+    rows, cols = src.shape
+    scales = _read_scales(atoms, 1, rows, cols // 16)[0]
+    amax = []
+    for e, _, ps, n in _slices(counts):
+        q = nvfp4.quantize(src[ps:ps + n], axis=1) if n else None
+        amax.append(float(q.global_amax) if n else 0.0)
+        if n:
+            assert torch.equal(data[ps:ps + n].view(torch.uint8), q.data), e
+            assert torch.equal(scales[ps:ps + n], q.scale.double()), e
+    return torch.tensor(amax, dtype=torch.float64)
+
+
+def _expect_cols(data, atoms, src, counts, rht):
+    """Token-innermost copies: nvfp4.quantize along the tokens of each expert's (RHT'd) rows."""
+    rows, cols = src.shape
+    scales = _read_scales(atoms, 1, cols, rows // 16)[0]
+    amax = []
+    for e, _, ps, n in _slices(counts):
+        if not n:
+            amax.append(0.0)
+            continue
+        part = hadamard.apply_rht(src[ps:ps + n], axis=0) if rht else src[ps:ps + n]
+        q = nvfp4.quantize(part, axis=0)
+        amax.append(float(q.global_amax))
+        length = q.shape[0]  # n, or n rounded up to 16 after the RHT
+        whole = -(-length // 16) * 16  # the group's 16-token blocks
+        ours = nvfp4.unpack_e2m1(data.view(torch.uint8)[:, ps // 2:(ps + whole) // 2], 1, whole)
+        assert torch.equal(ours[:, :length], nvfp4.unpack_e2m1(q.data.t(), 1, length)), e
+        # Padding rows may hold -0 (the kernels write dh = 0 * negative): code 8, value 0, like +0.
+        assert bool(((ours[:, length:] == 0) | (ours[:, length:] == 8)).all()), e
+        assert torch.equal(scales[:, ps // 16:ps // 16 + q.scale.shape[0]], q.scale.t().double()), e
+    return torch.tensor(amax, dtype=torch.float64)
+
+
+def _expect_weights(data, atoms, weights, block_2d):
+    """``weights``: the per-expert [N, K] matrices the kernel's B should hold, quantized along K."""
+    e_count, n, half = data.shape
+    scales = _read_scales(atoms, e_count, n, half * 2 // 16)
+    amax = []
+    for e, w in enumerate(weights):
+        q = nvfp4.quantize(w, axis=1, block_2d=block_2d)
+        amax.append(float(q.global_amax))
+        assert torch.equal(data[e].view(torch.uint8), q.data), e
+        want = q.scale.double().repeat_interleave(16, dim=0)[:n] if block_2d else q.scale.double()
+        assert torch.equal(scales[e], want), e
+    return torch.tensor(amax, dtype=torch.float64)
+
+
+def _check_alpha(alpha, amax_a, amax_b, squared=False):
+    want = amax_a * amax_b / 2688.0 ** 2
+    got = alpha.double() ** 2 if squared else alpha.double()
+    torch.testing.assert_close(got, want, rtol=5e-7, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["default_no_sr", "no_rht_1d_w"])
+def test_every_operand_of_a_run_is_our_quantizer_per_expert(recipe):
+    recipe = RECIPES[recipe]
+    rht, two_d = not recipe.disable_rht, not recipe.disable_2d_quantization
+    fe = RecordingNVFP4Emulator()
+    _, _, _, leaves, dy = _run(routing="zipf", recipe=recipe, fe=fe, seed=51, padding=4)
+    counts = leaves["tokens_per_expert"]
+    (_, glu, glu_out), (_, fc2, _), (_, dglu, dglu_out), (_, dgrad, _), (_, wg1, _), (_, wg2, _) = fe.log
+    w1, w2 = leaves["w1"].detach(), leaves["w2"].detach()
+    w1_k = layouts.interleave_glu(w1, dim=1)
+    x_pad, dy_pad = _padded(leaves["x"].detach(), counts), _padded(dy, counts)
+    act, dh = glu_out["d_tensor"], dglu_out["d_row_tensor"]  # FP32, padded layout, from the kernels
+
+    ax = _expect_rows(glu["a_tensor"], glu["sfa_tensor"], x_pad, counts)
+    aw1 = _expect_weights(glu["b_tensor"], glu["sfb_tensor"], list(w1_k), two_d)
+    _check_alpha(glu["alpha_tensor"], ax, aw1)
+    aact = _expect_rows(fc2["a_tensor"], fc2["sfa_tensor"], act, counts)
+    aw2 = _expect_weights(fc2["b_tensor"], fc2["sfb_tensor"], list(w2), two_d)
+    _check_alpha(fc2["alpha_tensor"], aact, aw2)
+    ady = _expect_rows(dglu["a_tensor"], dglu["sfa_tensor"], dy_pad, counts)
+    aw2t = _expect_weights(dglu["b_tensor"], dglu["sfb_tensor"], [w.t() for w in w2], two_d)
+    _check_alpha(dglu["alpha_tensor"], ady, aw2t, squared=True)
+    adh = _expect_rows(dgrad["a_tensor"], dgrad["sfa_tensor"], dh, counts)
+    aw1t = _expect_weights(dgrad["b_tensor"], dgrad["sfb_tensor"], [w.t() for w in w1_k], two_d)
+    _check_alpha(dgrad["alpha_tensor"], adh, aw1t)
+    # wgrad: dW1 = dh_col^T x_col, then dW2 = dy_col^T act_col (B given as the (tokens, n) view)
+    adh_c = _expect_cols(wg1["a_tensor"], wg1["sfa_tensor"], dh, counts, rht)
+    ax_c = _expect_cols(wg1["b_tensor"].t(), wg1["sfb_tensor"], x_pad, counts, rht)
+    _check_alpha(wg1["global_scale_a"] * wg1["global_scale_b"], adh_c, ax_c)
+    ady_c = _expect_cols(wg2["a_tensor"], wg2["sfa_tensor"], dy_pad, counts, rht)
+    aact_c = _expect_cols(wg2["b_tensor"].t(), wg2["sfb_tensor"], act, counts, rht)
+    _check_alpha(wg2["global_scale_a"] * wg2["global_scale_b"], ady_c, aact_c)
+    # rowwise and RHT'd columnwise copies have their own tensor scales
+    if rht:
+        assert not torch.equal(adh_c[counts > 0], adh[counts > 0])
