@@ -539,3 +539,16 @@ def test_every_operand_of_a_run_is_our_quantizer_per_expert(recipe):
     # rowwise and RHT'd columnwise copies have their own tensor scales
     if rht:
         assert not torch.equal(adh_c[counts > 0], adh[counts > 0])
+
+
+def test_operand_check_catches_recipe_fields_ignored(monkeypatch):
+    """The check above fails if weights ignore the 2D setting or the wgrad copies skip the RHT."""
+    real_w, real_c = fp4.quantize_weights, fp4.quantize_columns
+    with monkeypatch.context() as patch:
+        patch.setattr(fp4, "quantize_weights", lambda w, block_2d: real_w(w, not block_2d))
+        with pytest.raises(AssertionError):
+            test_every_operand_of_a_run_is_our_quantizer_per_expert("default_no_sr")
+    with monkeypatch.context() as patch:
+        patch.setattr(fp4, "quantize_columns", lambda t, g, e, stochastic, rht: real_c(t, g, e, stochastic, False))
+        with pytest.raises(AssertionError):
+            test_every_operand_of_a_run_is_our_quantizer_per_expert("default_no_sr")
