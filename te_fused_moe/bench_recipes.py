@@ -269,6 +269,7 @@ def fp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
                              wgrad_config=W(block_n=128, block_k=128, num_stages=5)),
         "warps4": dict(gemm_config=G(block_n=128, num_warps=4, num_stages=4),
                        epilogue_config=G(num_warps=4, num_stages=3), wgrad_config=W(num_warps=4)),
+        "unsplit_dglu_epilogue": dict(epilogue_config=G(split_epilogue=False)),
         "group16": dict(gemm_config=G(block_n=128, group_m=16, num_stages=4),
                         epilogue_config=G(group_m=16, num_stages=3), wgrad_config=W(group_n=16)),
     }

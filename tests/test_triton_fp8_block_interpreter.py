@@ -261,7 +261,8 @@ def check_weight_cache(device: str) -> dict:
 
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
-def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, use_tma: bool = True) -> dict:
+def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, use_tma: bool = True,
+                        split_epilogue: bool = True) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives a power-of-2 scale with
     3*scale representable), GEMM sums are small integers (exact in any order, also in the FP8 wgmma's
     reduced-precision accumulator), so every kernel output has one right answer. ``srelu`` keeps the
@@ -303,9 +304,12 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
                           Q.new_transposed(n1, T, E, h, spec.torch_dtype, alloc), alloc((tiles, n1), device=device, dtype=torch.float32))
     dprob = _poisoned(torch.empty(F // 128, T, device=device))
     dbias = _poisoned(torch.empty(tiles, n1, device=device))
+    import dataclasses
+
+    dact_cfg = dataclasses.replace(gemm.default_config("dact"), split_epilogue=split_epilogue)
     gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, q_up_offset=F, h=h,
                 h_up_offset=F, probs=p, dprob=dprob, dbias=dbias, activation=activation, gated=act.gated,
-                alpha=act.alpha, limit=act.limit)
+                alpha=act.alpha, limit=act.limit, config=dact_cfg)
     dx = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
     dw1 = _poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
@@ -498,6 +502,7 @@ def _worker() -> None:
         "cache": check_weight_cache("cpu"),
         "exact": check_kernels_exact("cpu"),
         "exact_ptr": check_kernels_exact("cpu", seed=1, use_tma=False),
+        "exact_unsplit": check_kernels_exact("cpu", seed=2, split_epilogue=False),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -531,7 +536,7 @@ def test_weight_cache_refreshes_once_per_step(results):
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("key", ["exact", "exact_ptr"])
+@pytest.mark.parametrize("key", ["exact", "exact_ptr", "exact_unsplit"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered

@@ -54,9 +54,10 @@ def test_weight_cache_on_gpu():
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("tma,seed", [(True, 0), (True, 1), (False, 0)], ids=["tma-empty", "tma", "ptr-empty"])
-def test_every_kernel_exact_on_integer_data_gpu(tma, seed):
-    bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma)
+@pytest.mark.parametrize("tma,seed,split", [(True, 0, True), (True, 1, True), (False, 0, True), (True, 2, False)],
+                         ids=["tma-empty", "tma", "ptr-empty", "unsplit-epilogue"])
+def test_every_kernel_exact_on_integer_data_gpu(tma, seed, split):
+    bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma, split_epilogue=split)
     print("FP8_EXACT", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)

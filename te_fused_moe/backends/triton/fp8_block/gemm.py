@@ -56,6 +56,7 @@ class FP8GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     use_tma: bool = True
+    split_epilogue: bool = True  # dGLU epilogue in two 64-column halves (register pressure)
 
 
 def default_config(kind: str) -> FP8GemmConfig:
@@ -86,12 +87,63 @@ def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, st
         tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
         tl.store(qs_ptr + rows64 * stride_qsm + (tl.min(cols, axis=0) // 128) * stride_qsk, inv, mask=row_ok)
     if COLWISE:
-        amax_c = tl.max(tl.where(mask, nan_free_abs(v), 0.0), axis=0)
-        scale_c, inv_c = block_scale(amax_c, FP8_MAX, POW2, value_for_inf)
-        codes_c = tl.where(mask, encode_fp8(v * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0)
-        slot = tile * 128 + tl.arange(0, 128)  # the tile's own columns of data_t (see quantize.py)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :], tl.trans(codes_c))
-        tl.store(qts_ptr + tile * stride_qtst + cols, inv_c)
+        _store_colwise(v, rows64, row_ok, cols, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                       MANT, EBIAS, FP8_MAX, POW2)
+
+
+@triton.jit
+def _store_colwise(v, rows64, row_ok, cols, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                   MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """Columnwise blocks of ``v`` [128 rows, any columns]: one per column over the tile's valid rows,
+    stored transposed into the tile's own 128-column slot of ``data_t`` (see quantize.py)."""
+    mask = row_ok[:, None]
+    amax_c = tl.max(tl.where(mask, nan_free_abs(v), 0.0), axis=0)
+    scale_c, inv_c = block_scale(amax_c, FP8_MAX, POW2, value_for_inf)
+    codes_c = tl.where(mask, encode_fp8(v * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0).to(tl.uint8)
+    slot = tile * 128 + tl.arange(0, 128)
+    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :], tl.trans(codes_c))
+    tl.store(qts_ptr + tile * stride_qtst + cols, inv_c)
+
+
+@triton.jit
+def _store_quantized_halves(v_lo, v_hi, rows64, row_ok, cols_lo, cols_hi, tile, q_ptr, stride_qm, qs_ptr, stride_qsm,
+                            stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                            ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr,
+                            FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """:func:`_store_quantized` of a 128-column block held as two 64-column halves (the rowwise amax
+    spans both; columnwise blocks are per column anyway)."""
+    mask = row_ok[:, None]
+    if ROWWISE:
+        amax = tl.maximum(tl.max(nan_free_abs(v_lo), axis=1), tl.max(nan_free_abs(v_hi), axis=1))
+        scale, inv = block_scale(amax, FP8_MAX, POW2, value_for_inf)
+        row_ptrs = q_ptr + rows64[:, None] * stride_qm
+        tl.store(row_ptrs + cols_lo[None, :], encode_fp8(v_lo * scale[:, None], MANT, EBIAS, FP8_MAX), mask=mask)
+        tl.store(row_ptrs + cols_hi[None, :], encode_fp8(v_hi * scale[:, None], MANT, EBIAS, FP8_MAX), mask=mask)
+        tl.store(qs_ptr + rows64 * stride_qsm + (tl.min(cols_lo, axis=0) // 128) * stride_qsk, inv, mask=row_ok)
+    if COLWISE:
+        _store_colwise(v_lo, rows64, row_ok, cols_lo, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                       MANT, EBIAS, FP8_MAX, POW2)
+        _store_colwise(v_hi, rows64, row_ok, cols_hi, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                       MANT, EBIAS, FP8_MAX, POW2)
+
+
+@triton.jit
+def _dact_half(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding,
+               ACT: tl.constexpr, GATED: tl.constexpr):
+    """d act for a block of columns: (dg, du) zeroed on the padding group, the row sums of
+    ``da * act(h)`` (dprob) and the column sums of dg and du over the valid rows (db1)."""
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_ptrs + h_up_offset, mask=mask, other=0.0).to(tl.float32)
+    else:
+        u = g
+    dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
+    part = tl.sum(tl.where(mask, da * value, 0.0), axis=1)
+    dg = tl.where(is_padding, 0.0, dg)
+    du = tl.where(is_padding, 0.0, du)
+    return dg, du, part, tl.sum(tl.where(mask, dg, 0.0), axis=0), tl.sum(tl.where(mask, du, 0.0), axis=0)
 
 
 @triton.jit
@@ -109,7 +161,7 @@ def fp8_grouped_gemm_kernel(
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -213,29 +265,58 @@ def fp8_grouped_gemm_kernel(
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         else:
             p = tl.full((BM,), 1.0, tl.float32)
-        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        if GATED:
-            u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
-        else:
-            u = g
-        dg, du, value = act_backward(g, u, acc * p[:, None], alpha, limit, ACT)
-        if WRITE_DPROB:
-            part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)
-            tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
-        if WRITE_DBIAS:
-            db_ptrs = dbias_ptr + pid_m * stride_dbias_t + cols
-            tl.store(db_ptrs, tl.sum(tl.where(out_mask, dg, 0.0), axis=0), mask=col_ok)
+        if SPLIT_EPILOGUE:
+            # two 64-column halves in turn (as the BF16 dGLU kernel does): da, gate, up and their
+            # gradients for the whole 128-wide tile at once would spill registers
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            cols_lo = pid_n * BN + tl.arange(0, BN // 2)
+            cols_hi = cols_lo + BN // 2
+            dg_lo, du_lo, part, dbg_lo, dbu_lo = _dact_half(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm,
+                                                            h_up_offset, alpha, limit, is_padding, ACT, GATED)
+            dg_hi, du_hi, part_hi, dbg_hi, dbu_hi = _dact_half(acc_hi, rows64, row_ok, cols_hi, N, p, h_ptr,
+                                                               stride_hm, h_up_offset, alpha, limit, is_padding, ACT,
+                                                               GATED)
+            if WRITE_DPROB:
+                tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part + part_hi, mask=row_ok)
+            if WRITE_DBIAS:
+                db_ptrs = dbias_ptr + pid_m * stride_dbias_t
+                tl.store(db_ptrs + cols_lo, dbg_lo)
+                tl.store(db_ptrs + cols_hi, dbg_hi)
+                if GATED:
+                    tl.store(db_ptrs + h_up_offset + cols_lo, dbu_lo)
+                    tl.store(db_ptrs + h_up_offset + cols_hi, dbu_hi)
+            _store_quantized_halves(dg_lo, dg_hi, rows64, row_ok, cols_lo, cols_hi, pid_m, q_ptr, stride_qm, qs_ptr,
+                                    stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                                    ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
             if GATED:
-                tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
-        dg = tl.where(is_padding, 0.0, dg)
-        _store_quantized(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
-                         stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
-        if GATED:
-            du = tl.where(is_padding, 0.0, du)
-            _store_quantized(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
-                             qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
-                             FP8_MAX, POW2)
+                _store_quantized_halves(du_lo, du_hi, rows64, row_ok, cols_lo + q_up_offset, cols_hi + q_up_offset,
+                                        pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+                                        qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX,
+                                        POW2)
+        else:
+            h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+            g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+            if GATED:
+                u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
+            else:
+                u = g
+            dg, du, value = act_backward(g, u, acc * p[:, None], alpha, limit, ACT)
+            if WRITE_DPROB:
+                part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)
+                tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
+            if WRITE_DBIAS:
+                db_ptrs = dbias_ptr + pid_m * stride_dbias_t + cols
+                tl.store(db_ptrs, tl.sum(tl.where(out_mask, dg, 0.0), axis=0), mask=col_ok)
+                if GATED:
+                    tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
+            dg = tl.where(is_padding, 0.0, dg)
+            _store_quantized(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
+                             stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
+            if GATED:
+                du = tl.where(is_padding, 0.0, du)
+                _store_quantized(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+                                 qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
+                                 FP8_MAX, POW2)
 
 
 def _tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -298,6 +379,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
+        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue,
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
