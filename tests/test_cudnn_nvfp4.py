@@ -552,3 +552,10 @@ def test_operand_check_catches_recipe_fields_ignored(monkeypatch):
         patch.setattr(fp4, "quantize_columns", lambda t, g, e, stochastic, rht: real_c(t, g, e, stochastic, False))
         with pytest.raises(AssertionError):
             test_every_operand_of_a_run_is_our_quantizer_per_expert("default_no_sr")
+
+
+def test_cached_rht_is_the_quantizers_rht():
+    g = torch.Generator().manual_seed(61)
+    t = torch.randn(512, 40, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-9, 9, (512, 1), generator=g))
+    for src in (t, t.float(), t.to(torch.bfloat16)):
+        assert torch.equal(fp4.rht_along_rows(src), hadamard.apply_rht(src, axis=0))

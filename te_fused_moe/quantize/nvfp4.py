@@ -79,9 +79,13 @@ class NVFP4Tensor:
     block_2d: bool = False
 
 
+# Scalar constants are made with torch.full on the input's device: torch.tensor(..., device=cuda)
+# copies from the host and synchronizes (flagged by torch.cuda.set_sync_debug_mode).
+
+
 def global_encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """``S_enc`` for a float32 ``global_amax`` (rule 1 of the module doc)."""
-    s_enc = torch.tensor(E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=global_amax.device) / global_amax
+    s_enc = torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=global_amax.device) / global_amax
     s_enc = torch.clamp(s_enc, max=formats.FLOAT32_MAX)
     degenerate = (global_amax == 0) | (s_enc == 0)
     return torch.where(degenerate, torch.ones_like(s_enc), s_enc)
@@ -117,7 +121,7 @@ def quantize(
             raise ValueError("row_global_amax: pass either global_amax or row_global_amax, not both")
         amax = _row_global_amax(x, row_global_amax)
         s_enc = _block_broadcast(global_encode_scale(amax), axis, block_2d)
-    s_dec = torch.tensor(1.0, dtype=torch.float32, device=x.device) / s_enc
+    s_dec = torch.full((), 1.0, dtype=torch.float32, device=x.device) / s_enc
 
     if block_2d:
         tiles = to_blocks_2d(x, axis, BLOCK)  # (rb, 16, cb, 16)
@@ -126,7 +130,7 @@ def quantize(
         tiles = to_blocks_1d(x, axis, BLOCK)  # (..., nb, 16)
         block_amax = formats.nan_ignoring_amax(tiles, dim=-1).unsqueeze(-1)
 
-    multiplier = s_enc * torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32, device=x.device)
+    multiplier = s_enc * torch.full((), 1.0 / E2M1_MAX, dtype=torch.float32, device=x.device)
     decode_scale = torch.clamp(block_amax * multiplier, max=formats.FLOAT32_MAX)
     scale_codes = formats.encode(decode_scale, formats.E4M3)
     scale_values = formats.decode(scale_codes, formats.E4M3)
@@ -151,7 +155,7 @@ def quantize(
         codes = from_blocks_1d(codes, axis, n)
         scale = scale_codes.squeeze(-1).movedim(-1, axis)
     if row_global_amax is not None:  # report S_dec per row, like the amax
-        s_dec = torch.tensor(1.0, dtype=torch.float32, device=x.device) / global_encode_scale(amax)
+        s_dec = torch.full((), 1.0, dtype=torch.float32, device=x.device) / global_encode_scale(amax)
     return NVFP4Tensor(
         data=pack_e2m1(codes, axis),
         scale=formats.codes_to_fp8(scale.contiguous(), formats.E4M3),
@@ -169,7 +173,7 @@ def _global_amax(x: torch.Tensor, global_amax) -> torch.Tensor:
             return torch.zeros((), dtype=torch.float32, device=x.device)
         return formats.nan_ignoring_amax(x.reshape(-1), dim=0)
     if isinstance(global_amax, (int, float)) and not isinstance(global_amax, bool):
-        return torch.tensor(float(global_amax), dtype=torch.float32, device=x.device)
+        return torch.full((), float(global_amax), dtype=torch.float32, device=x.device)
     if not isinstance(global_amax, torch.Tensor) or global_amax.numel() != 1:
         raise ValueError("global_amax: expected a float or a one-element tensor")
     if global_amax.device != x.device:
@@ -249,7 +253,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     if amax.dim() == 1:  # per-row tensor amax: the scale's rows are rows (axis 1) or 16-row blocks
         amax = (amax if (axis == 1 and not q.block_2d) else _first_row_of_blocks(amax))[:, None]
     if dtype == torch.float32:
-        factor = torch.tensor(1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32, device=values.device)
+        factor = torch.full((), 1.0 / (E2M1_MAX * E4M3_MAX), dtype=torch.float32, device=values.device)
         block_factor = scale * amax.to(torch.float32) * factor
     else:
         block_factor = scale * amax.to(torch.float64) / (E2M1_MAX * E4M3_MAX)

@@ -113,6 +113,21 @@ def dglu_alpha(a: FP4Operand, b: FP4Operand) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- quantizers
 
+_RHT_MATRICES: dict = {}
+
+
+def rht_along_rows(t: torch.Tensor) -> torch.Tensor:
+    """``hadamard.apply_rht(t, axis=0)`` (FP64 transform, one rounding to FP32) for a row count that
+    is a multiple of 16, with the 16x16 matrix cached per device: building it copies from the host,
+    which synchronizes, so it happens once (in the first, eager call) instead of every step."""
+    key = str(t.device)
+    if key not in _RHT_MATRICES:
+        _RHT_MATRICES[key] = hadamard.rht_matrix(t.device)
+    moved = t.t().to(torch.float64)  # [N, M]: runs of 16 tokens along the last dimension
+    runs = moved.reshape(moved.shape[0], -1, hadamard.SIZE)
+    return (runs @ _RHT_MATRICES[key]).reshape(moved.shape).t().contiguous().to(torch.float32)
+
+
 def quantize_rows(t: torch.Tensor, groups: torch.Tensor, experts: int, stochastic: bool) -> FP4Operand:
     """Padded ``t [M, K]`` quantized along K (1x16), each row with its group's tensor amax:
     FP4 data ``[M, K/2]`` and scales in atoms over ``(M, K/16)``."""
@@ -125,7 +140,7 @@ def quantize_columns(t: torch.Tensor, groups: torch.Tensor, experts: int, stocha
     """Padded ``t [M, N]`` quantized along the rows (tokens) in 16-row blocks, optionally after the
     RHT along the rows: token-innermost FP4 data ``[N, M/2]`` and scales in atoms over
     ``(N, M/16)`` (how the wgrad kernel reads a K=tokens operand)."""
-    values = hadamard.apply_rht(t, axis=0) if rht else t  # M is a multiple of 256: no padding
+    values = rht_along_rows(t) if rht else t  # M is a multiple of 256: no padding
     amax = segmented_amax(values, groups, experts)
     q = nvfp4.quantize(values, axis=0, stochastic_rounding=stochastic, row_global_amax=_per_row(amax, groups))
     # data [M/2, N] packs tokens (2j, 2j+1) into byte j: its transpose is the token-innermost copy.
@@ -139,8 +154,11 @@ def quantize_weights(w: torch.Tensor, block_2d: bool) -> FP4Operand:
     experts, n, k = w.shape
     amax = formats.nan_ignoring_amax(w.reshape(experts, -1).to(torch.float32), dim=1)
     flat = w.reshape(experts * n, k)
-    q = nvfp4.quantize(flat, axis=1, block_2d=block_2d, row_global_amax=amax.repeat_interleave(n))
-    scale = q.scale.repeat_interleave(NV_BLOCK, dim=0)[: experts * n] if block_2d else q.scale
+    # expand, not repeat_interleave: some torch versions read a repeats tensor back on the host
+    q = nvfp4.quantize(flat, axis=1, block_2d=block_2d, row_global_amax=amax[:, None].expand(experts, n).reshape(-1))
+    scale = q.scale
+    if block_2d:  # one scale per 16x16 tile -> the same scale on each of the tile's 16 rows
+        scale = scale[:, None, :].expand(-1, NV_BLOCK, -1).reshape(-1, scale.shape[1])[: experts * n]
     return FP4Operand(q.data.reshape(experts, n, -1).view(FP4), swizzle_scales(scale.reshape(experts, n, -1)), amax)
 
 
@@ -301,5 +319,6 @@ __all__ = [
     "dglu_alpha",
     "quantize_rows",
     "quantize_columns",
+    "rht_along_rows",
     "quantize_weights",
 ]
