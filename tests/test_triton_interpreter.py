@@ -7,7 +7,8 @@ FP64 reference and reports numbers as JSON; the tests below assert on those numb
 
 Both load paths are covered: TMA tensor descriptors (the default where operands allow) and plain
 pointer loads (``grouped_gemm.USE_TMA_DEFAULT = False`` for the cases marked ``ptr``); cases marked
-``clampedtail`` turn off the wgrad's vectorised tail (on by default, see ``WgradConfig.vector_tail``).
+``clampedtail`` turn off the wgrad's vectorised tail (on by default, see ``WgradConfig.vector_tail``);
+cases marked ``persist`` run the persistent grouped GEMMs (``grouped_gemm.PERSISTENT_DEFAULT = True``).
 
 Every kernel buffer is poisoned with NaN (``autograd.new_buffer`` is replaced in the worker), so an
 element a kernel fails to write shows up as NaN in an error or an exact-zero check.
@@ -49,6 +50,12 @@ CASES = [
     ("srelu-e3-allpad", 32, 32, 32, 3, "srelu", True, True, "balanced", 32, "bfloat16", False),
     # router probs that scale the activation but need no gradient (frozen router)
     ("swiglu-e3-frozenprobs", 96, 48, 40, 3, "swiglu", True, True, "zipf", 5, "bfloat16", False),
+    # persistent grouped GEMMs (3 programs under the interpreter, each looping over many tiles)
+    ("swiglu-e5-empty-persist", 128, 64, 48, 5, "swiglu", True, True, "empty", 7, "bfloat16", False),
+    ("gptoss-e3-determ-persist", 96, 48, 72, 3, "gpt_oss_swiglu", True, True, "zipf", 6, "bfloat16", True),
+    ("geglu-e3-ptr-persist", 80, 64, 40, 3, "geglu", True, True, "balanced", 5, "bfloat16", False),
+    ("srelu-e5-persist", 100, 48, 40, 5, "srelu", True, True, "one", 0, "bfloat16", False),
+    ("swiglu-e3-allpad-persist", 32, 32, 32, 3, "swiglu", True, True, "balanced", 32, "bfloat16", True),
 ]
 GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
 # Relative error bounds vs FP64: BF16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3); the
@@ -74,6 +81,7 @@ def _worker() -> None:
     results = {}
     for case_id, T, H, F, E, act, bias, probs, routing, padding, dtype, determ in CASES:
         grouped_gemm.USE_TMA_DEFAULT = "-ptr" not in case_id
+        grouped_gemm.PERSISTENT_DEFAULT = "-persist" in case_id
         wgrad.INTERPRET_WGRAD_CONFIG = dataclasses.replace(real_wgrad_config, vector_tail="clampedtail" not in case_id)
         p = random_problem(T, H, F, E, activation=act, dtype=getattr(torch, dtype), bias=bias, probs=probs,
                            routing=routing, padding=padding)
@@ -135,6 +143,79 @@ def test_padding_rows_and_empty_experts_are_exact_zeros(interpreter_results, cas
 def test_cases_cover_empty_experts_and_padding(interpreter_results):
     assert any(res["empty_experts"] for res in interpreter_results.values())
     assert any("dw1_empty" in res["nonzero"] for res in interpreter_results.values())
+
+
+def test_persistent_cases_cover_empty_experts_padding_and_both_dprob_paths(interpreter_results):
+    persist = [c for c in CASES if "-persist" in c[0]]
+    assert any(interpreter_results[c[0]]["empty_experts"] for c in persist)
+    assert any(c[9] > 0 for c in persist) and any(c[9] == c[1] for c in persist)  # padding, all padding
+    assert {c[11] for c in persist if c[7]} == {False, True}  # dprob: atomics and ordered partials
+
+
+def _persistent_kernel_worker() -> None:
+    """Runs in the subprocess: the four grouped GEMMs, persistent vs one program per tile, on poisoned
+    outputs. The tiles' math is the same, so the outputs must be bitwise equal (dprob through its
+    ordered partials: atomics add in program order)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    from moe_reference import poison_
+
+    from te_fused_moe.backends.triton import grouped_gemm as gg
+
+    torch.manual_seed(7)
+    counts = torch.tensor([37, 0, 5, 0, 50, 11])  # empty experts, 17 padding rows
+    T, H, F, E = 120, 64, 48, 6
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    w1 = torch.randn(E, 2 * F, H, dtype=torch.bfloat16) / 8
+    w2 = torch.randn(E, H, F, dtype=torch.bfloat16) / 8
+    b1 = torch.randn(E, 2 * F, dtype=torch.bfloat16)
+    probs = torch.rand(T)
+    dy = torch.randn(T, H, dtype=torch.bfloat16)
+    act = dict(activation="swiglu", alpha=1.702, limit=7.0, gated=True)
+    base = gg.INTERPRET_CONFIG
+    parts = -(-F // base.block_n)
+
+    def run(cfg):
+        h, a = poison_(torch.empty(T, 2 * F, dtype=x.dtype)), poison_(torch.empty(T, F, dtype=x.dtype))
+        y, dh, dx = poison_(torch.empty_like(x)), poison_(torch.empty_like(h)), poison_(torch.empty_like(x))
+        dprob = poison_(torch.empty(parts, T))
+        gg.fc1_forward(x, w1, counts, h, a, b1=b1, probs=probs, config=cfg, **act)
+        gg.fc2_forward(a, w2, counts, y, config=cfg)
+        gg.fc2_dgrad_dact(dy, w2, counts, h, dh, probs=probs, dprob=dprob, config=cfg, **act)
+        gg.fc1_dgrad(dh, w1, counts, dx, config=cfg)
+        return {"h": h, "a": a, "y": y, "dh": dh, "dprob_parts": dprob, "dx": dx}
+
+    ref = run(base)
+    out = run(dataclasses.replace(base, persistent=True))
+    tiles = gg.max_m_tiles(T, E, base.block_m) * -(-H // base.block_n)  # FC2's worst-case tile count
+    print("RESULTS" + json.dumps({
+        "equal": {k: bool(torch.equal(out[k], ref[k])) for k in ref},
+        "nan": {k: int(torch.isnan(out[k]).sum()) for k in ref},
+        "programs": gg.persistent_programs(torch.device("cpu"), dataclasses.replace(base, persistent=True)),
+        "fc2_tiles": tiles,
+    }))
+
+
+@pytest.fixture(scope="module")
+def persistent_kernel_results():
+    return run_in_triton_interpreter("import test_triton_interpreter as t; t._persistent_kernel_worker()")
+
+
+def test_persistent_kernels_match_one_program_per_tile_bitwise(persistent_kernel_results):
+    res = persistent_kernel_results
+    assert res["programs"] == 3 and res["fc2_tiles"] >= 4 * res["programs"], res  # each program loops
+    assert not any(res["nan"].values()), f"unwritten (NaN) elements: {res['nan']}"
+    assert all(res["equal"].values()), f"persistent differs from one program per tile: {res['equal']}"
+
+
+def test_persistent_programs_count():
+    from te_fused_moe.backends.triton import grouped_gemm as gg
+
+    cfg = gg.GemmConfig(persistent=True, programs_per_sm=2)
+    assert gg.persistent_programs(torch.device("cpu"), cfg) == gg.INTERPRET_PROGRAMS
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        gg.persistent_programs(torch.device("cpu"), dataclasses.replace(cfg, programs_per_sm=0))
+    assert gg.GemmConfig().persistent is False and gg.PERSISTENT_DEFAULT is False  # opt-in
 
 
 def test_schedule_maps_tiles_to_groups():

@@ -12,7 +12,9 @@ accumulators per tile, gate columns ``n`` and up columns ``F + n`` of the same `
 interleaved weight layout is needed.
 
 Tiles are mapped to (group, row start) on the device through the schedule's tile -> group map;
-programs past the last tile exit at once; the padding group writes zeros. Loads are not masked along
+programs past the last tile exit at once; the padding group writes zeros. Opt-in persistent variant
+(``GemmConfig.persistent``): one program per SM loops over the tiles, the per-tile code shared
+(``_gemm_tile``), so that the next tile's loads can overlap this tile's epilogue. Loads are not masked along
 M and N: A and B come through TMA descriptors (out-of-tensor boxes are zero-filled) or, where TMA is
 not allowed, through pointers whose row/column indices are clamped into the tensor. Rows and columns
 that belong to another expert only feed output elements that the masked store drops.
@@ -25,8 +27,9 @@ that the dot lowers to wgmma.
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -52,11 +55,23 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     use_tma: bool = True  # TMA loads where the operands allow (see _tma_allowed), else pointer loads
+    # One program per SM (times programs_per_sm) looping over the tiles instead of one per tile: the
+    # next tile's loads overlap this tile's epilogue, which pays where K loops are short.
+    persistent: bool = False
+    programs_per_sm: int = 1
+    # Persistent only: flatten the tile loop and the K loop into one loop that the pipeliner overlaps
+    # across tiles. Offline sm_90a builds of the gated FC1 (two accumulators) get ptxas warning C7515
+    # (wgmma serialized) when flattened; False keeps the persistent loop without cross-tile overlap.
+    flatten: bool = True
 
 
 INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
+# ``persistent`` of the configs that ``default_config`` returns (tests flip it to cover that kernel).
+PERSISTENT_DEFAULT = False
+# Persistent programs under the interpreter (no SMs to count): few, so each one loops over many tiles.
+INTERPRET_PROGRAMS = 3
 
 
 def _tma_allowed(a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, k: int, block_k: int) -> bool:
@@ -74,7 +89,11 @@ def _tma_allowed(a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, k: int, block
 def default_config(kind: str, n: int, k: int) -> GemmConfig:
     """Block sizes for sm_90, from the H200 measurements in ``benchmarks/NOTES.md`` (wgmma wants
     BM=128, BK=64, 8 warps). ``kind``: "fc1", "fc2", "dact" (FC2 dgrad + dGLU) or "dgrad" (FC1 dgrad).
-    The interpreter gets small tiles."""
+    The interpreter gets small tiles. ``persistent`` is ``PERSISTENT_DEFAULT``."""
+    return replace(_block_config(kind, n, k), persistent=PERSISTENT_DEFAULT)
+
+
+def _block_config(kind: str, n: int, k: int) -> GemmConfig:
     if interpreting():
         return INTERPRET_CONFIG
     if kind == "fc1":
@@ -97,26 +116,87 @@ def grouped_gemm_kernel(
     bias_ptr, stride_bias_e, bias_up_offset,
     probs_ptr, dprob_ptr, stride_dprob_part,
     sched_ptr,
-    T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
+    T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS, NUM_PROGRAMS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
-    B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
-    pids_per_band = GROUP_M * num_pid_n
-    band = pid // pids_per_band
-    first_m = band * GROUP_M
-    band_m = tl.minimum(MAX_M_TILES - first_m, GROUP_M)
-    pid_m = first_m + (pid % pids_per_band) % band_m
-    pid_n = (pid % pids_per_band) // band_m
+    if PERSISTENT:
+        # NUM_PROGRAMS programs walk the tile ids in steps of NUM_PROGRAMS, in two passes: the experts'
+        # tiles, whose K loops all have cdiv(K, BK) steps (a bound the same for every tile, so that the
+        # loop nest can be flattened and the pipeliner can overlap a tile's epilogue with the next
+        # tile's loads), then the padding group's tiles (no K loop: zeros written). Both passes end at
+        # the schedule's real tile counts, so no tile is skipped inside a loop (an `if` around the K
+        # loop would stop the flattening). Padding ids continue the expert ids' round-robin.
+        expert_tiles = tl.load(sched_ptr + 0 * NUM_GROUPS + NUM_GROUPS - 1)  # tile_start of padding
+        total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
+        expert_ids = expert_tiles * num_pid_n
+        for phase in tl.static_range(2):
+            if phase == 0:
+                first_id, end_id, first_m, band_tiles = pid, expert_ids, 0, expert_tiles
+            else:
+                first_id = expert_ids + (pid + NUM_PROGRAMS - expert_ids % NUM_PROGRAMS) % NUM_PROGRAMS
+                end_id, first_m, band_tiles = total_tiles * num_pid_n, expert_tiles, total_tiles - expert_tiles
+            for tile_id in tl.range(first_id, end_id, NUM_PROGRAMS, flatten=FLATTEN and phase == 0):
+                pid_m, pid_n = _swizzle(tile_id - first_m * num_pid_n, band_tiles, num_pid_n, GROUP_M)
+                _gemm_tile(
+                    first_m + pid_m, pid_n, a_src, stride_am, stride_ak, b_src, stride_be, stride_bk, stride_bn,
+                    b_up_offset, B_ROWS, c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr,
+                    stride_bias_e, bias_up_offset, probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, T, N, K,
+                    alpha, limit, NUM_GROUPS, MODE, ACT, GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS,
+                    EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR, SPLIT_EPILOGUE, UPCAST, phase == 0, BM, BN, BK)
+    else:
+        # one program per tile of the worst-case grid: GROUP_M swizzle for L2 reuse of B; programs past
+        # the last tile exit at once
+        pid_m, pid_n = _swizzle(pid, MAX_M_TILES, num_pid_n, GROUP_M)
+        total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
+        if pid_m >= total_tiles:
+            return
+        _gemm_tile(
+            pid_m, pid_n, a_src, stride_am, stride_ak, b_src, stride_be, stride_bk, stride_bn, b_up_offset, B_ROWS,
+            c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr, stride_bias_e, bias_up_offset,
+            probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, T, N, K, alpha, limit, NUM_GROUPS, MODE, ACT,
+            GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR,
+            SPLIT_EPILOGUE, UPCAST, False, BM, BN, BK)
 
-    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
-    if pid_m >= total_tiles:
-        return
+
+@triton.jit
+def _swizzle(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile id -> (M tile, N tile): bands of GROUP_M M tiles walked column by column, so that the
+    programs running together share B's column blocks in L2."""
+    pids_per_band = GROUP_M * num_pid_n
+    band = tile_id // pids_per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % pids_per_band) % band_m
+    pid_n = (tile_id % pids_per_band) // band_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm_tile(
+    pid_m, pid_n,
+    a_src, stride_am, stride_ak,
+    b_src, stride_be, stride_bk, stride_bn, b_up_offset, B_ROWS,
+    c_ptr, stride_cm, c_up_offset,
+    h_ptr, stride_hm, h_up_offset,
+    bias_ptr, stride_bias_e, bias_up_offset,
+    probs_ptr, dprob_ptr, stride_dprob_part,
+    sched_ptr,
+    T, N, K, alpha, limit, NUM_GROUPS,
+    MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
+    B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, EXPERT_TILE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """One output tile: (group, row block) from the schedule, the K loop, the epilogue of ``MODE``.
+    ``EXPERT_TILE``: the caller guarantees an expert's tile, so the K loop runs its full, tile-invariant
+    length (else the padding group's tiles get an empty K loop here)."""
     group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
     is_padding = group == NUM_GROUPS - 1
     expert = tl.minimum(group, NUM_GROUPS - 2)
@@ -152,7 +232,10 @@ def grouped_gemm_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    k_tiles = tl.where(is_padding, 0, tl.cdiv(K, BK))
+    if EXPERT_TILE:
+        k_tiles = tl.cdiv(K, BK)
+    else:
+        k_tiles = tl.where(is_padding, 0, tl.cdiv(K, BK))
     for kt in range(0, k_tiles):
         if USE_TMA:
             k0 = kt * BK
@@ -259,6 +342,20 @@ def _dact_epilogue(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset
     return tl.sum(tl.where(mask, da * value, 0.0), axis=1)
 
 
+def persistent_programs(device: torch.device, cfg: GemmConfig) -> int:
+    """How many programs a persistent launch starts: ``programs_per_sm`` per SM of the device."""
+    if cfg.programs_per_sm < 1:
+        raise ValueError(f"GemmConfig.programs_per_sm: expected a positive count, got {cfg.programs_per_sm}")
+    if device.type != "cuda":
+        return INTERPRET_PROGRAMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * cfg.programs_per_sm
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def launch(
     kind: str,
     a: torch.Tensor,
@@ -301,7 +398,8 @@ def launch(
     schedule = schedules[cfg.block_m]
     num_groups = num_experts + 1
     m_tiles = max_m_tiles(num_rows, num_experts, cfg.block_m)
-    grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
+    num_tiles = m_tiles * triton.cdiv(n, cfg.block_n)  # worst case: the schedule holds the real count
+    num_programs = min(num_tiles, persistent_programs(a.device, cfg)) if cfg.persistent else num_tiles
     dummy = c
     b_kmajor = b_strides[1] == 1 and b_strides[2] != 1
     use_tma = cfg.use_tma and USE_TMA_DEFAULT and _tma_allowed(a, b, b_kmajor, k, cfg.block_k)
@@ -316,7 +414,7 @@ def launch(
     else:
         a_src, b_src, b_rows = a, b, 0
         b_up_offset = b_up_rows * b_strides[2]
-    return grouped_gemm_kernel[grid](
+    return grouped_gemm_kernel[(num_programs,)](
         a_src, a.stride(0), a.stride(1),
         b_src, b_strides[0], b_strides[1], b_strides[2], b_up_offset, b_rows,
         c, c.stride(0), c_up_offset,
@@ -326,12 +424,13 @@ def launch(
         dprob if dprob is not None else dummy,
         dprob.stride(0) if (dprob is not None and dprob.dim() == 2) else 0,
         schedule,
-        num_rows, n, k, float(alpha), float(limit), m_tiles, num_groups,
+        num_rows, n, k, float(alpha), float(limit), m_tiles, num_groups, num_programs if cfg.persistent else 0,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, N_VEC8=n % 8 == 0, USE_TMA=use_tma,
         B_KMAJOR=b_kmajor, SPLIT_EPILOGUE=mode == MODE_ACT_BWD and cfg.block_n >= 32, UPCAST=interpreting(),
+        PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
