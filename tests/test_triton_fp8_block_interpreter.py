@@ -67,6 +67,7 @@ MLP_CASES = [
 # --- 1. codec -----------------------------------------------------------------------------------
 
 _KERNELS = {}
+block_scale = encode_fp8 = None  # the codec's device functions, bound by _codec_kernel() (jit reads module globals)
 
 
 def _codec_kernel():
