@@ -127,7 +127,7 @@ def quantize_tiles_kernel(
         tl.store(qs_ptr + rows64 * stride_qsm + pid_k * stride_qsk, inv, mask=row_ok)
     if COLWISE:
         scale_c, inv_c = block_scale(tl.max(nan_free_abs(x), axis=0), FP8_MAX, POW2, value_for_inf)
-        codes_c = tl.where(row_ok[:, None], encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0)
+        codes_c = tl.where(row_ok[:, None], encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0).to(tl.uint8)
         slot = pid_m * BM + tl.arange(0, BM)  # the tile's own 128 columns; zeros past the group's end
         tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + slot[None, :], tl.trans(codes_c),
                  mask=col_ok[:, None])
