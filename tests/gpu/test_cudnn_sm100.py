@@ -1,7 +1,9 @@
 """backend="cudnn" on a Blackwell GPU (compute capability >= 10) against the FP64 loop and the
 reference backend: forward, backward, no host sync, CUDA graph capture and replay.
 
-Skips below SM100 (there the backend refuses, which tests/test_cudnn_backend.py checks on CPU).
+Skips below SM100 (there the backend refuses, which tests/test_cudnn_backend.py checks on CPU),
+except the NVFP4 input-preparation test, which needs only a CUDA GPU (bytes equal to the CPU's,
+no host sync).
 On SM100+ a missing or unusable nvidia-cudnn-frontend is a failure, not a skip: that is exactly
 what these tests are for.
 """
@@ -236,3 +238,49 @@ def test_cudnn_nvfp4_stochastic_rounding_and_no_sync():
     assert rel_err(y, y_ref) < NVFP4_TOL  # no stochastic rounding in the forward
     for name in ("x", "w1", "w2"):  # independent SR draws on both sides: same gradient, noisier
         assert rel_err(grads[name], grads_ref[name]) < 0.3, name
+
+
+def test_nvfp4_operand_preparation_on_any_gpu_matches_cpu_and_never_syncs():
+    """The NVFP4 input preparation (padded layout, per-group amax, FP4 quantization, atoms, alpha)
+    needs no SM100: on any CUDA GPU (the H200 included) it must give the CPU's bytes and, after
+    one warm-up call, never synchronize with the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from te_fused_moe.backends.cudnn import fp4, kernels, layouts
+
+    g = torch.Generator().manual_seed(7)
+    counts_cpu = torch.tensor([300, 0, 17, 512, 33])
+    tokens, hidden, experts = int(counts_cpu.sum()) + 5, 256, counts_cpu.numel()
+    x_cpu = (torch.randn(tokens, hidden, generator=g) * torch.exp2(torch.randint(-8, 8, (tokens, 1), generator=g))
+             ).to(torch.bfloat16)
+    w_cpu = torch.randn(experts, 128, hidden, generator=g).to(torch.bfloat16)
+
+    def prepare(x, w, counts, sr):
+        offsets = kernels.kernel_offsets(counts)
+        rows = layouts.padded_rows_bound(tokens, experts)
+        valid = layouts.valid_row_mask(counts, tokens)
+        x_pad = layouts.scatter_to_padded(torch.where(valid[:, None], x, torch.zeros_like(x)),
+                                          layouts.padded_row_index(counts, tokens), rows)
+        groups = fp4.row_groups(offsets, rows)
+        ops = [fp4.quantize_rows(x_pad, groups, experts, stochastic=sr),
+               fp4.quantize_columns(x_pad, groups, experts, stochastic=sr, rht=True),
+               fp4.quantize_columns(x_pad, groups, experts, stochastic=False, rht=False),
+               fp4.quantize_weights(w, block_2d=True), fp4.quantize_weights(w.transpose(1, 2), block_2d=False)]
+        return ops, fp4.gemm_alpha(ops[0], ops[3]), fp4.dglu_alpha(ops[0], ops[3])
+
+    x, w, counts = x_cpu.cuda(), w_cpu.cuda(), counts_cpu.cuda()
+    prepare(x, w, counts, sr=True)  # fills the per-device caches (decode table, RHT matrix)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu_ops, gpu_alpha, gpu_dglu_alpha = prepare(x, w, counts, sr=False)
+        prepare(x, w, counts, sr=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu_ops, cpu_alpha, cpu_dglu_alpha = prepare(x_cpu, w_cpu, counts_cpu, sr=False)
+    for i, (a, b) in enumerate(zip(gpu_ops, cpu_ops)):
+        assert torch.equal(a.data.view(torch.uint8).cpu(), b.data.view(torch.uint8)), i
+        assert torch.equal(a.scales.view(torch.uint8).cpu(), b.scales.view(torch.uint8)), i
+        assert torch.equal(a.amax.cpu(), b.amax), i
+    assert torch.equal(gpu_alpha.cpu(), cpu_alpha)
+    torch.testing.assert_close(gpu_dglu_alpha.cpu(), cpu_dglu_alpha, rtol=2e-7, atol=0)  # sqrt may differ by 1 ulp
