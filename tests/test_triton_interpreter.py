@@ -153,9 +153,10 @@ def test_persistent_cases_cover_empty_experts_padding_and_both_dprob_paths(inter
 
 
 def _persistent_kernel_worker() -> None:
-    """Runs in the subprocess: the four grouped GEMMs, persistent vs one program per tile, on poisoned
-    outputs. The tiles' math is the same, so the outputs must be bitwise equal (dprob through its
-    ordered partials: atomics add in program order)."""
+    """Runs in the subprocess: the four grouped GEMMs, persistent (with and without FC1's gate/up box)
+    and one program per tile with the box, vs one program per tile, on poisoned outputs. The tiles'
+    math is the same, so the outputs must be bitwise equal (dprob through its ordered partials:
+    atomics add in program order)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
     from moe_reference import poison_
@@ -186,11 +187,13 @@ def _persistent_kernel_worker() -> None:
         return {"h": h, "a": a, "y": y, "dh": dh, "dprob_parts": dprob, "dx": dx}
 
     ref = run(base)
-    out = run(dataclasses.replace(base, persistent=True))
+    variants = {"persistent": dict(persistent=True), "persistent-box": dict(persistent=True, gate_up_box=True),
+                "box": dict(gate_up_box=True)}
+    outs = {name: run(dataclasses.replace(base, **kw)) for name, kw in variants.items()}
     tiles = gg.max_m_tiles(T, E, base.block_m) * -(-H // base.block_n)  # FC2's worst-case tile count
     print("RESULTS" + json.dumps({
-        "equal": {k: bool(torch.equal(out[k], ref[k])) for k in ref},
-        "nan": {k: int(torch.isnan(out[k]).sum()) for k in ref},
+        "equal": {f"{v}:{k}": bool(torch.equal(out[k], ref[k])) for v, out in outs.items() for k in ref},
+        "nan": {f"{v}:{k}": int(torch.isnan(out[k]).sum()) for v, out in outs.items() for k in ref},
         "programs": gg.persistent_programs(torch.device("cpu"), dataclasses.replace(base, persistent=True)),
         "fc2_tiles": tiles,
     }))

@@ -42,7 +42,7 @@ def _leaves(problem):
             for k, v in problem.items()}
 
 
-@pytest.mark.parametrize("case", MLP_CASES, ids=[f"{c[4]}-T{c[0]}-E{c[3]}-{c[7]}-pad{c[8]}" + ("-determ" if c[9] else "")
+@pytest.mark.parametrize("case", MLP_CASES, ids=[f"{c[4]}-T{c[0]}-E{c[3]}-{c[7]}-pad{c[8]}" + "-determ" * c[9]
                                                  for c in MLP_CASES])
 def test_persistent_mlp_matches_fp64_without_host_syncs(persistent_default, case):
     T, H, F, E, act, bias, probs, routing, padding, determ = case
@@ -82,13 +82,22 @@ KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("flatten", [True, False], ids=["flatten", "noflatten"])
+# config overrides vs the one-program-per-tile default: persistent (flattened, FC1 through the gate/up box,
+# as PERSISTENT_DEFAULT sets it), persistent with FC1's two accumulators, not flattened, box alone
+VARIANTS = {"persistent": dict(persistent=True, gate_up_box=True), "persistent-2acc": dict(persistent=True),
+            "persistent-noflat": dict(persistent=True, flatten=False, gate_up_box=True),
+            "gate-up-box": dict(gate_up_box=True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[f"T{c[0]}-H{c[1]}-F{c[2]}-E{c[3]}-{c[4]}" + ("" if c[6] else "-ptr")
                                                     for c in KERNEL_CASES])
-def test_persistent_kernels_equal_one_program_per_tile_bitwise(case, flatten):
+def test_persistent_kernels_equal_one_program_per_tile_bitwise(case, variant):
     """Same tiles, same K order, same epilogue: FC1+GLU, FC2, FC2 dgrad+dGLU (dprob through its ordered
     per-N-tile partials; atomics add in a run-dependent order) and FC1 dgrad must agree bit for bit,
-    on NaN-poisoned outputs (an element no program writes stays NaN and breaks the equality)."""
+    on NaN-poisoned outputs (an element no program writes stays NaN and breaks the equality). The
+    gate/up box computes gate and up in one 2 * BN wide wgmma instead of two BN wide ones: the same
+    products summed in the same K order per element."""
     T, H, F, E, routing, padding, use_tma = case
     g = torch.Generator().manual_seed(3)
     counts = make_counts(T, E, routing, generator=g, padding=padding).cuda()
@@ -100,9 +109,8 @@ def test_persistent_kernels_equal_one_program_per_tile_bitwise(case, flatten):
     dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     act = dict(activation="swiglu", alpha=1.702, limit=7.0, gated=True)
 
-    def configs(persistent):
-        return {kind: dataclasses.replace(gg.default_config(kind, n, k), use_tma=use_tma, persistent=persistent,
-                                          flatten=flatten)
+    def configs(**overrides):
+        return {kind: dataclasses.replace(gg.default_config(kind, n, k), use_tma=use_tma, **overrides)
                 for kind, n, k in (("fc1", F, H), ("fc2", H, F), ("dact", F, H), ("dgrad", H, 2 * F))}
 
     def run(cfg):
@@ -115,10 +123,10 @@ def test_persistent_kernels_equal_one_program_per_tile_bitwise(case, flatten):
         gg.fc1_dgrad(dh, w1, counts, dx, config=cfg["dgrad"])
         return {"h": h, "a": a, "y": y, "dh": dh, "dprob_parts": dprob, "dx": dx}
 
-    ref, out = run(configs(False)), run(configs(True))
+    ref, out = run(configs()), run(configs(**VARIANTS[variant]))
     assert not any(torch.isnan(t).any() for t in out.values()), "persistent kernels left elements unwritten"
     differ = {k: int((out[k] != ref[k]).sum()) for k in ref if not torch.equal(out[k], ref[k])}
-    assert not differ, f"persistent differs from one program per tile (elements): {differ}"
+    assert not differ, f"{variant} differs from one program per tile (elements): {differ}"
 
 
 def test_persistent_programs_are_one_per_sm():

@@ -60,9 +60,12 @@ class GemmConfig:
     persistent: bool = False
     programs_per_sm: int = 1
     # Persistent only: flatten the tile loop and the K loop into one loop that the pipeliner overlaps
-    # across tiles. Offline sm_90a builds of the gated FC1 (two accumulators) get ptxas warning C7515
-    # (wgmma serialized) when flattened; False keeps the persistent loop without cross-tile overlap.
+    # across tiles (False: a plain loop over tiles, no cross-tile overlap).
     flatten: bool = True
+    # Gated FC1 with TMA: one [2, block_n, block_k] box of w1 (viewed [E * 2, F, H]) brings a tile's gate
+    # and up rows, so one 2 * block_n wide dot fills one accumulator (instead of two dots into two).
+    # The flattened persistent FC1 needs it: with two accumulators ptxas serializes its wgmmas (C7515).
+    gate_up_box: bool = False
 
 
 INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
@@ -89,8 +92,8 @@ def _tma_allowed(a: torch.Tensor, b: torch.Tensor, b_kmajor: bool, k: int, block
 def default_config(kind: str, n: int, k: int) -> GemmConfig:
     """Block sizes for sm_90, from the H200 measurements in ``benchmarks/NOTES.md`` (wgmma wants
     BM=128, BK=64, 8 warps). ``kind``: "fc1", "fc2", "dact" (FC2 dgrad + dGLU) or "dgrad" (FC1 dgrad).
-    The interpreter gets small tiles. ``persistent`` is ``PERSISTENT_DEFAULT``."""
-    return replace(_block_config(kind, n, k), persistent=PERSISTENT_DEFAULT)
+    The interpreter gets small tiles. ``persistent`` (with ``gate_up_box``) is ``PERSISTENT_DEFAULT``."""
+    return replace(_block_config(kind, n, k), persistent=PERSISTENT_DEFAULT, gate_up_box=PERSISTENT_DEFAULT)
 
 
 def _block_config(kind: str, n: int, k: int) -> GemmConfig:
@@ -121,7 +124,8 @@ def grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, GATE_UP_BOX: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BN)
@@ -148,7 +152,8 @@ def grouped_gemm_kernel(
                     b_up_offset, B_ROWS, c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr,
                     stride_bias_e, bias_up_offset, probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, T, N, K,
                     alpha, limit, NUM_GROUPS, MODE, ACT, GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS,
-                    EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR, SPLIT_EPILOGUE, UPCAST, phase == 0, BM, BN, BK)
+                    EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR, SPLIT_EPILOGUE, UPCAST, phase == 0, GATE_UP_BOX,
+                    BM, BN, BK)
     else:
         # one program per tile of the worst-case grid: GROUP_M swizzle for L2 reuse of B; programs past
         # the last tile exit at once
@@ -161,7 +166,7 @@ def grouped_gemm_kernel(
             c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr, stride_bias_e, bias_up_offset,
             probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, T, N, K, alpha, limit, NUM_GROUPS, MODE, ACT,
             GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR,
-            SPLIT_EPILOGUE, UPCAST, False, BM, BN, BK)
+            SPLIT_EPILOGUE, UPCAST, False, GATE_UP_BOX, BM, BN, BK)
 
 
 @triton.jit
@@ -192,7 +197,7 @@ def _gemm_tile(
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, EXPERT_TILE: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GATE_UP_BOX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One output tile: (group, row block) from the schedule, the K loop, the epilogue of ``MODE``.
     ``EXPERT_TILE``: the caller guarantees an expert's tile, so the K loop runs its full, tile-invariant
@@ -229,8 +234,9 @@ def _gemm_tile(
         a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_src + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + cols_in[None, :] * stride_bn
 
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if GATED and MODE == 1:
+    # with GATE_UP_BOX, acc holds the gate columns, then the up columns
+    acc = tl.zeros((BM, 2 * BN if GATE_UP_BOX else BN), dtype=tl.float32)
+    if GATED and MODE == 1 and not GATE_UP_BOX:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     if EXPERT_TILE:
         k_tiles = tl.cdiv(K, BK)
@@ -240,7 +246,9 @@ def _gemm_tile(
         if USE_TMA:
             k0 = kt * BK
             a = a_src.load([a_row, k0])
-            if B_KMAJOR:
+            if GATE_UP_BOX:
+                b = tl.reshape(b_src.load([expert * 2, pid_n * BN, k0]), (2 * BN, BK)).T
+            elif B_KMAJOR:
                 b = b_src.load([b_row, k0]).T
             else:
                 b = b_src.load([b_row + k0, pid_n * BN])
@@ -255,7 +263,7 @@ def _gemm_tile(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-        if GATED and MODE == 1:
+        if GATED and MODE == 1 and not GATE_UP_BOX:
             if USE_TMA:
                 b_up = b_src.load([b_row + b_up_offset, k0]).T
             elif EVEN_K:
@@ -268,6 +276,8 @@ def _gemm_tile(
         if not USE_TMA:
             a_ptrs += BK * stride_ak
             b_ptrs += BK * stride_bk
+    if GATE_UP_BOX:
+        acc, acc_up = _column_halves(acc, BM, BN)
 
     # --- epilogue, FP32
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -307,7 +317,7 @@ def _gemm_tile(
         else:
             p = tl.full((BM,), 1.0, tl.float32)
         if SPLIT_EPILOGUE:
-            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            acc_lo, acc_hi = _column_halves(acc, BM, BN // 2)
             cols_lo = pid_n * BN + tl.arange(0, BN // 2)
             part = _dact_epilogue(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm, h_up_offset, c_ptr,
                                   stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
@@ -321,6 +331,12 @@ def _gemm_tile(
                 tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
             else:
                 tl.atomic_add(dprob_ptr + rows64, part, mask=row_ok)
+
+
+@triton.jit
+def _column_halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """x[:, :HALF], x[:, HALF:] of a [ROWS, 2 * HALF] tile, in registers."""
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, HALF)), (0, 2, 1)))
 
 
 @triton.jit
@@ -403,13 +419,19 @@ def launch(
     dummy = c
     b_kmajor = b_strides[1] == 1 and b_strides[2] != 1
     use_tma = cfg.use_tma and USE_TMA_DEFAULT and _tma_allowed(a, b, b_kmajor, k, cfg.block_k)
+    gate_up_box = (cfg.gate_up_box and use_tma and gated and mode == MODE_ACT_FWD and b_kmajor
+                   and b.shape[1] == 2 * b_up_rows)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         b_rows = b.shape[1]
         a_src = TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
         b_block = [cfg.block_n, cfg.block_k] if b_kmajor else [cfg.block_k, cfg.block_n]
-        b_src = TensorDescriptor(b, [b.shape[0] * b_rows, b.shape[2]], [b.shape[2], 1], b_block)
+        if gate_up_box:  # [E * 2, F, K] view: each expert's gate rows, then its up rows; F's tail zero-filled
+            b_src = TensorDescriptor(b, [b.shape[0] * 2, b_up_rows, k], [b_up_rows * k, k, 1],
+                                     [2, cfg.block_n, cfg.block_k])
+        else:
+            b_src = TensorDescriptor(b, [b.shape[0] * b_rows, b.shape[2]], [b.shape[2], 1], b_block)
         b_up_offset = b_up_rows
     else:
         a_src, b_src, b_rows = a, b, 0
@@ -430,7 +452,7 @@ def launch(
         DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, N_VEC8=n % 8 == 0, USE_TMA=use_tma,
         B_KMAJOR=b_kmajor, SPLIT_EPILOGUE=mode == MODE_ACT_BWD and cfg.block_n >= 32, UPCAST=interpreting(),
-        PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten,
+        PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, GATE_UP_BOX=gate_up_box,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
