@@ -387,7 +387,7 @@ def variant_sets():
     G, W = GemmConfig, WgradConfig
 
     def persistent(stages, **kw):
-        return {f"{kind}_config": G(block_n=bn, num_stages=stages, persistent=True, **kw)
+        return {f"{kind}_config": G(block_n=bn, num_stages=stages, persistent=True, gate_up_box=True, **kw)
                 for kind, bn in (("fc1", 128), ("fc2", 256), ("dact", 128), ("dgrad", 256))}
 
     return {
@@ -404,12 +404,13 @@ def variant_sets():
         "v3": dict(fc1_config=G(block_n=128, num_stages=4, group_m=16), fc2_config=G(block_n=256, group_m=16),
                    dact_config=G(block_n=128, num_stages=4, group_m=16), dgrad_config=G(block_n=256, group_m=16),
                    wgrad_config=W(block_n=256, block_k=128)),
-        # persistent grouped GEMMs (one program per SM; default block sizes, wgrad as default), with 3
-        # and 4 stages; "noflat" keeps the tile loop and the K loop apart (no cross-tile overlap), to
-        # isolate what the flattening buys (FC1's flattened build gets ptxas C7515: wgmma serialized)
+        # persistent grouped GEMMs (one program per SM; default block sizes, FC1 through the gate/up box,
+        # wgrad as default), with 3 and 4 stages; "noflat" keeps the tile loop and the K loop apart (no
+        # cross-tile overlap) to isolate what the flattening buys; "gateup": the per-tile FC1 with the box
         "persistent": persistent(3),
         "persistent_s4": persistent(4),
         "persistent_noflat": persistent(4, flatten=False),
+        "gateup": dict(fc1_config=G(block_n=128, num_stages=4, gate_up_box=True)),
     }
 
 
