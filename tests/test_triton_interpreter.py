@@ -8,7 +8,8 @@ FP64 reference and reports numbers as JSON; the tests below assert on those numb
 Both load paths are covered: TMA tensor descriptors (the default where operands allow) and plain
 pointer loads (``grouped_gemm.USE_TMA_DEFAULT = False`` for the cases marked ``ptr``); cases marked
 ``clampedtail`` turn off the wgrad's vectorised tail (on by default, see ``WgradConfig.vector_tail``);
-cases marked ``persist`` run the persistent grouped GEMMs (``grouped_gemm.PERSISTENT_DEFAULT = True``).
+cases marked ``persist`` run the persistent grouped GEMMs (``grouped_gemm.PERSISTENT_DEFAULT = True``,
+which also loads FC1's gate and up rows as one box: ``GemmConfig.gate_up_box``).
 
 Every kernel buffer is poisoned with NaN (``autograd.new_buffer`` is replaced in the worker), so an
 element a kernel fails to write shows up as NaN in an error or an exact-zero check.

@@ -8,13 +8,14 @@ One kernel template, three epilogues (``MODE``):
   ``dprob = sum_n da * act(h)``                                     FC2 dgrad with dGLU
 
 ``B_e`` is read through strides, so the same kernel reads ``w[e]`` or ``w[e]^T``. Gated FC1 keeps two
-accumulators per tile, gate columns ``n`` and up columns ``F + n`` of the same ``w1[e]``: no
-interleaved weight layout is needed.
+accumulators per tile, gate columns ``n`` and up columns ``F + n`` of the same ``w1[e]`` (or, with
+``GemmConfig.gate_up_box``, one twice as wide, fed by one TMA box per K step): no interleaved weight
+layout is needed.
 
 Tiles are mapped to (group, row start) on the device through the schedule's tile -> group map;
 programs past the last tile exit at once; the padding group writes zeros. Opt-in persistent variant
-(``GemmConfig.persistent``): one program per SM loops over the tiles, the per-tile code shared
-(``_gemm_tile``), so that the next tile's loads can overlap this tile's epilogue. Loads are not masked along
+(``GemmConfig.persistent``): one program per SM loops over the tiles (the per-tile code, ``_gemm_tile``,
+is shared), so that the next tile's loads can overlap this tile's epilogue. Loads are not masked along
 M and N: A and B come through TMA descriptors (out-of-tensor boxes are zero-filled) or, where TMA is
 not allowed, through pointers whose row/column indices are clamped into the tensor. Rows and columns
 that belong to another expert only feed output elements that the masked store drops.
