@@ -219,7 +219,9 @@ def test_persistent_programs_count():
     assert gg.persistent_programs(torch.device("cpu"), cfg) == gg.INTERPRET_PROGRAMS
     with pytest.raises(ValueError, match="programs_per_sm"):
         gg.persistent_programs(torch.device("cpu"), dataclasses.replace(cfg, programs_per_sm=0))
-    assert gg.GemmConfig().persistent is False and gg.PERSISTENT_DEFAULT is False  # opt-in
+    # a bare GemmConfig is one program per tile; the backend's default configs are persistent
+    assert gg.GemmConfig().persistent is False and gg.PERSISTENT_DEFAULT is True
+    assert gg.default_config("fc1", 256, 256).persistent is True
 
 
 def test_schedule_maps_tiles_to_groups():
