@@ -224,7 +224,7 @@ def e8m0_reciprocal(codes: torch.Tensor) -> torch.Tensor:
     """2**(127 - code) as float32 (2**-127 is a float32 subnormal; code 255 gives NaN): TE's
     ``exp2f_rcp<float>``, the multiplier MXFP8 applies before the FP8 cast."""
     return e8m0_decode(254 - codes.clamp(max=254), torch.float32).where(
-        codes != 255, torch.tensor(float("nan"), device=codes.device)
+        codes != 255, torch.full((), float("nan"), device=codes.device)
     )
 
 

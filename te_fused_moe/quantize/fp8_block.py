@@ -62,7 +62,7 @@ class FP8BlockTensor:
 def compute_scale(amax: torch.Tensor, fp8_max: float, power_2_scale: bool, value_for_inf: float) -> torch.Tensor:
     """Quantization multiplier from a float32 block amax (rule 2 of the module doc)."""
     degenerate = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
-    scale = torch.tensor(fp8_max, dtype=torch.float32, device=amax.device) / amax
+    scale = torch.full((), fp8_max, dtype=torch.float32, device=amax.device) / amax  # no host-to-device copy
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
     scale = torch.where(degenerate, torch.ones_like(scale), scale)
     if power_2_scale:

@@ -47,7 +47,8 @@ class MXFP8Tensor:
 
 def _max_norm_rcp(fmt: formats.ElementFormat, device) -> torch.Tensor:
     # TE: static constexpr float max_norm_rcp = 1.0 / max_norm (double division, then float).
-    return torch.tensor(1.0 / fmt.max_value, dtype=torch.float32, device=device)
+    # torch.full, not torch.tensor(..., device=): no host-to-device copy (sync-debug mode flags those)
+    return torch.full((), 1.0 / fmt.max_value, dtype=torch.float32, device=device)
 
 
 def quantize(t: torch.Tensor, axis: int = -1, fp8_format: str = "e4m3") -> MXFP8Tensor:
