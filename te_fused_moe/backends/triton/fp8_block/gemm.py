@@ -56,7 +56,7 @@ class FP8GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     use_tma: bool = True
-    split_epilogue: bool = True  # dGLU epilogue in two 64-column halves (register pressure)
+    split_epilogue: bool = True  # FC1 and dGLU epilogues in two 64-column halves (register pressure)
 
 
 def default_config(kind: str) -> FP8GemmConfig:
@@ -186,15 +186,19 @@ def fp8_grouped_gemm_kernel(
 
     a_row = row_start + (pid_m - tile_start) * BM
     rows = a_row + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
     row_ok = rows < row_end
-    col_ok = cols < N
     rows_in = tl.minimum(rows, T - 1).to(tl.int64)  # scale loads (and pointer loads) stay in the tensor
-    cols_in = tl.minimum(cols, N - 1)
+    cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
     offs_k = tl.arange(0, BK)
     b_row = expert * B_ROWS + pid_n * BN
     e64 = expert.to(tl.int64)
-    sb_ptrs = bs_ptr + e64 * stride_bse + (cols_in // 128) * stride_bsn
+    if BN <= 128:
+        # the tile's columns share one 128-row block of B (N % 128 == 0, BN divides 128): a scalar
+        # scale per K step, so the promotion multiplies by a per-row vector, not a [BM, BN] outer
+        # product whose 64 registers per thread (per accumulator) made gated FC1's loop spill
+        sb_ptrs = bs_ptr + e64 * stride_bse + ((pid_n * BN) // 128) * stride_bsn
+    else:
+        sb_ptrs = bs_ptr + e64 * stride_bse + (cols_in // 128) * stride_bsn
     if not USE_TMA:
         a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
@@ -218,7 +222,10 @@ def fp8_grouped_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if BN <= 128:
+            acc += tl.dot(a, tl.trans(b)) * (sa * sb)[:, None]
+        else:
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         if GATED and MODE == 1:
             if USE_TMA:
                 b_up = b_src.load([b_row + b_up_rows, k0])
@@ -227,9 +234,18 @@ def fp8_grouped_gemm_kernel(
             sb_up = tl.load(sb_up_ptrs + kt * stride_bsk)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
-            acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
+            if BN <= 128:
+                acc_up += tl.dot(a, tl.trans(b_up)) * (sa * sb_up)[:, None]
+            else:
+                acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
 
-    # --- epilogue, FP32
+    # --- epilogue, FP32 (column indices are made here: the K loop needs none)
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    # row indices made again here (operand order unlike the loop's copy): fewer of gated FC1's spills
+    # land in its K loop (sm_90a ptxas: 20/26 -> 15/18 STL/LDL per step)
+    rows = tl.arange(0, BM) + a_row
+    row_ok = rows < row_end
     out_mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     bias_mask = col_ok & (group < NUM_GROUPS - 1)
@@ -257,8 +273,18 @@ def fp8_grouped_gemm_kernel(
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
             value = value * p[:, None]
         value = tl.where(is_padding, 0.0, value)
-        _store_quantized(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
-                         stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
+        if SPLIT_EPILOGUE:
+            # quantize in two 64-column halves (columnwise blocks are per column; the rowwise amax
+            # spans both): less live FP32 state next to the transposed store
+            v_lo, v_hi = tl.split(tl.permute(tl.reshape(value, (BM, 2, BN // 2)), (0, 2, 1)))
+            cols_lo = pid_n * BN + tl.arange(0, BN // 2)
+            _store_quantized_halves(v_lo, v_hi, rows64, row_ok, cols_lo, cols_lo + BN // 2, pid_m, q_ptr, stride_qm,
+                                    qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
+                                    value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
+        else:
+            _store_quantized(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+                             qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
+                             FP8_MAX, POW2)
     else:
         # acc = da, the gradient of act(h) * p
         if HAS_PROBS:
@@ -379,7 +405,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue,
+        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue,
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
