@@ -160,8 +160,10 @@ def measure_ceilings() -> Dict[str, float]:
     return {"bf16_gemm_tflops": 2 * n ** 3 / ms / 1e9, "d2d_copy_tbps": 2 * (1 << 30) / copy_ms / 1e9}
 
 
-def bench_implementation(name: str, shape: Shape, inputs, peak_tflops: float) -> Dict[str, float]:
-    fn = IMPLEMENTATIONS[name]
+def bench_implementation(name: str, shape: Shape, inputs, peak_tflops: float,
+                         fn: Optional[Callable] = None) -> Dict[str, float]:
+    """Times ``fn`` (default: ``IMPLEMENTATIONS[name]``), called as ``fn(x, counts, w1, w2, activation)``."""
+    fn = fn or IMPLEMENTATIONS[name]
     x = inputs["x"].clone().requires_grad_(True)
     w1 = inputs["w1"].clone().requires_grad_(True)
     w2 = inputs["w2"].clone().requires_grad_(True)

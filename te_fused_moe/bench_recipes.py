@@ -182,14 +182,10 @@ def fp8_ceiling_tflops() -> float:
 
 
 def bench_impl(name: str, shape: bench.Shape, inputs, peak: float) -> Dict:
-    fn = IMPLEMENTATIONS[name]
-    bench.IMPLEMENTATIONS[name] = fn  # bench.bench_implementation looks implementations up by name
     try:
-        return bench.bench_implementation(name, shape, inputs, peak)
+        return bench.bench_implementation(name, shape, inputs, peak, fn=IMPLEMENTATIONS[name])
     except Exception as exc:  # recorded, not fatal: the other implementations still run
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
-    finally:
-        bench.IMPLEMENTATIONS.pop(name, None)
 
 
 def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
