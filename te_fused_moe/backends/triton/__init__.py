@@ -4,7 +4,8 @@ Modules: ``schedule`` (device-side tile schedule), ``act_math`` (activation math
 ``grouped_gemm`` (FC1/FC2/dgrad kernels with epilogues), ``wgrad`` (variable-K grouped GEMM with
 fused bias gradients), ``autograd`` (the ``torch.autograd.Function``); ``fp8_block/`` the same MLP
 for the FP8 block recipe (``Float8BlockScaling``: FP8 wgmma with per-128-block scale promotion,
-quantizing epilogues).
+quantizing epilogues); ``mxfp8/`` the MXFP8 recipe (``MXFP8BlockScaling``: FP8 wgmma per 32-wide K
+block with exact power-of-two scale promotion, quantizing epilogues).
 
 On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
 """
@@ -65,12 +66,18 @@ class TritonBackend(Backend):
             reason = supports_fp8_block(recipe)
             if reason is not None:
                 return Availability(False, reason)
+        elif _is_mxfp8_recipe(recipe):
+            from .mxfp8.autograd import supports_mxfp8
+
+            reason = supports_mxfp8(recipe)
+            if reason is not None:
+                return Availability(False, reason)
         elif not _is_bf16_recipe(recipe):
             return Availability(
                 False,
-                f"backend='triton' implements the bf16 and fp8_block (Float8BlockScaling) recipes, got {recipe_name} "
-                f"(MXFP8/NVFP4 on Hopper are planned: FP8 wgmma over expanded block scales; use backend='reference', "
-                f"or backend='cudnn' on SM100+ for mxfp8)",
+                f"backend='triton' implements the bf16 and fp8_block (Float8BlockScaling) recipes and mxfp8 "
+                f"(MXFP8BlockScaling), got {recipe_name} (NVFP4 on Hopper is planned: FP8 wgmma over expanded block "
+                f"scales; use backend='reference', or backend='cudnn' on SM100+)",
             )
         from .act_math import ACT_IDS
 
@@ -79,11 +86,18 @@ class TritonBackend(Backend):
         return Availability(True)
 
     def supports_args(self, args: ExpertMLPArgs) -> Availability:
-        """Shape limits of a call (after :meth:`supports`): the FP8 block path needs whole 128-blocks."""
+        """Shape limits of a call (after :meth:`supports`): the FP8 block and MXFP8 paths need H and F
+        to be multiples of 128."""
         if _is_fp8_block_recipe(args.recipe):
             from .fp8_block.autograd import check_shapes
 
             reason = check_shapes(args.hidden_size, args.ffn_hidden_size)
+            if reason is not None:
+                return Availability(False, reason)
+        if _is_mxfp8_recipe(args.recipe):
+            from .mxfp8.autograd import check_shapes as check_mxfp8_shapes
+
+            reason = check_mxfp8_shapes(args.hidden_size, args.ffn_hidden_size)
             if reason is not None:
                 return Availability(False, reason)
         return Availability(True)
@@ -96,6 +110,13 @@ class TritonBackend(Backend):
             if reason is not None:
                 raise ValueError(reason)
             return fp8_block_expert_mlp(args)
+        if _is_mxfp8_recipe(args.recipe):
+            from .mxfp8.autograd import check_shapes as check_mxfp8_shapes, mxfp8_expert_mlp
+
+            reason = check_mxfp8_shapes(args.hidden_size, args.ffn_hidden_size)
+            if reason is not None:
+                raise ValueError(reason)
+            return mxfp8_expert_mlp(args)
         from .autograd import TritonExpertMLP
 
         return TritonExpertMLP.apply(
@@ -116,6 +137,12 @@ def _is_fp8_block_recipe(recipe) -> bool:
     from ...recipes import Float8BlockScaling
 
     return isinstance(recipe, Float8BlockScaling)
+
+
+def _is_mxfp8_recipe(recipe) -> bool:
+    from ...recipes import MXFP8BlockScaling
+
+    return isinstance(recipe, MXFP8BlockScaling)
 
 
 BACKEND = TritonBackend()

@@ -1,0 +1,295 @@
+"""MXFP8 grouped GEMMs with per-32-K-block scale promotion and the quantizing MoE epilogues.
+
+``C[rows of expert e] = A_e @ B_e^T`` with ``A`` [T, K] FP8 (1x32 E8M0 scales ``sa`` [T, K/32]) and
+``B_e`` [N, K] FP8, K-major (1x32 scales along K, ``sb`` [E, N, K/32]). Hopper's wgmma has no MX
+scaling, so every K step is one 32-wide scale block: ``acc += dot(a, b^T) * sa[:, None] * sb[None, :]``
+with ``s = 2^(e8m0 - 127)``. The scales are powers of two, so the promotion multiplies exactly: the
+result is the block-scaled product up to the order of FP32 sums (and the FP8 wgmma's own
+accumulation inside one 32-block, which with K = 32 is a single instruction).
+
+Modes (``MODE``), as in ``fp8_block.gemm``:
+
+- ``PLAIN``: ``C = A @ B^T (+ bias)`` in the output dtype (FC2 forward, FC1 dgrad).
+- ``FC1``: ``h = x_q @ w1^T + b1`` (saved), ``a = act(h) * p`` quantized from its FP32 value, in
+  the epilogue: rowwise (1x32 along F: FC2's fprop operand) and columnwise (32 tokens, FC2's wgrad
+  operand), amax in-kernel.
+- ``DACT``: ``da = dy_q @ (w2^T)^T``; ``dh = d act(h) * (da * p)`` quantized rowwise (1x32 along
+  2F: FC1 dgrad) and columnwise (w1's wgrad); ``dprob`` partial row sums of ``da * act(h)`` (one
+  per N tile) and, with ``WRITE_DBIAS``, per-tile column sums of the FP32 ``dh`` (``db1``).
+
+The quantizing modes need ``BM = BN = 128`` and tiles that start at each expert's first row (the
+schedule with ``block_m = 128``): a tile's rows then hold four whole 32-token blocks of one expert.
+Quantized outputs are bit-exact with :mod:`te_fused_moe.quantize.mxfp8` on the same FP32 values.
+
+Interpreter: ``UPCAST`` (``TRITON_INTERPRET=1`` only) converts the FP8 tiles to FP32 before the
+dot; products of FP8 values are exact in FP32, so only the summation order changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..act_math import ACT_IDS, act_backward, act_forward, to_output
+from ..grouped_gemm import interpreting
+from ..schedule import max_m_tiles
+from .codec import mx_dequant_scale
+from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
+
+MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
+# Tests flip this to cover the pointer-load path under the interpreter as well.
+USE_TMA_DEFAULT = True
+
+
+@dataclass(frozen=True)
+class MXGemmConfig:
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+def default_config(kind: str) -> MXGemmConfig:
+    """BM = 128 always (four 32-token blocks of one expert per tile), BK = 32 (one scale block per step)."""
+    if kind not in ("fc1", "fc2", "dact", "dgrad"):
+        raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
+    if interpreting():
+        return MXGemmConfig(group_m=2, num_warps=4, num_stages=1)
+    return MXGemmConfig()
+
+
+@triton.jit
+def _store_mx(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+              qts_ptr, stride_qtsb, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr,
+              EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr):
+    """MXFP8-quantize the FP32 tile ``v`` [BM rows, BN columns ``cols``] (rows past the group's end
+    ignored): rowwise 1x32 blocks and/or 32-token blocks stored transposed into the tile's slot."""
+    mask = row_ok[:, None]
+    v = tl.where(mask, v, 0.0)
+    col0 = tl.min(cols, axis=0)
+    if ROWWISE:
+        codes, sc = quantize_rowwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+        kb = col0 // 32 + tl.arange(0, BN // 32)
+        tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=mask)
+    if COLWISE:
+        codes_c, sc_c = quantize_colwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        codes_c = tl.where(mask, codes_c, 0).to(tl.uint8)
+        slot = tile * BM + tl.arange(0, BM)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :], tl.trans(codes_c))
+        tb = tile * (BM // 32) + tl.arange(0, BM // 32)
+        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_c)
+
+
+@triton.jit
+def mx_grouped_gemm_kernel(
+    a_src, stride_am, as_ptr, stride_asm, stride_ask,
+    b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS, b_up_rows,
+    c_ptr, stride_cm,
+    q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, q_up_offset,
+    h_ptr, stride_hm, h_up_offset,
+    bias_ptr, stride_bias_e, bias_up_offset,
+    probs_ptr, dprob_ptr, stride_dprob_part,
+    dbias_ptr, stride_dbias_t,
+    sched_ptr,
+    T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
+    MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BN)
+    pids_per_band = GROUP_M * num_pid_n
+    band = pid // pids_per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(MAX_M_TILES - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_band) % band_m
+    pid_n = (pid % pids_per_band) // band_m
+
+    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
+    if pid_m >= total_tiles:
+        return
+    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
+    is_padding = group == NUM_GROUPS - 1
+    expert = tl.minimum(group, NUM_GROUPS - 2)
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
+
+    a_row = row_start + (pid_m - tile_start) * BM
+    rows = a_row + tl.arange(0, BM)
+    rows_in = tl.minimum(rows, T - 1).to(tl.int64)  # scale loads (and pointer loads) stay in the tensor
+    cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
+    offs_k = tl.arange(0, BK)
+    b_row = expert * B_ROWS + pid_n * BN
+    e64 = expert.to(tl.int64)
+    sa_ptrs = as_ptr + rows_in * stride_asm
+    sb_ptrs = bs_ptr + e64 * stride_bse + cols_in * stride_bsn
+    if not USE_TMA:
+        a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if GATED and MODE == 1:
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    k_tiles = tl.where(is_padding, 0, K // BK)
+    for kt in range(0, k_tiles):
+        k0 = kt * BK
+        if USE_TMA:
+            a = a_src.load([a_row, k0])
+            b = b_src.load([b_row, k0])
+        else:
+            a = tl.load(a_ptrs + k0)
+            b = tl.load(b_ptrs + k0)
+        sa = mx_dequant_scale(tl.load(sa_ptrs + kt * stride_ask))
+        sb = mx_dequant_scale(tl.load(sb_ptrs + kt * stride_bsk))
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if GATED and MODE == 1:
+            if USE_TMA:
+                b_up = b_src.load([b_row + b_up_rows, k0])
+            else:
+                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+            sb_up = mx_dequant_scale(tl.load(sb_ptrs + b_up_rows * stride_bsn + kt * stride_bsk))
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
+
+    # --- epilogue, FP32
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    rows = tl.arange(0, BM) + a_row
+    row_ok = rows < row_end
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    bias_mask = col_ok & (group < NUM_GROUPS - 1)
+    if MODE == 0:
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(acc, c_ptr.dtype.element_ty, UPCAST),
+                 mask=out_mask)
+    elif MODE == 1:
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+            if GATED:
+                bias_up = tl.load(bias_ptr + expert * stride_bias_e + bias_up_offset + cols, mask=bias_mask, other=0.0)
+                acc_up += bias_up.to(tl.float32)[None, :]
+        tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        if GATED:
+            tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+            value = act_forward(acc, acc_up, alpha, limit, ACT)
+        else:
+            value = act_forward(acc, acc, alpha, limit, ACT)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+            value = value * p[:, None]
+        value = tl.where(is_padding, 0.0, value)
+        _store_mx(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
+                  stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
+    else:
+        # acc = da, the gradient of act(h) * p
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            p = tl.full((BM,), 1.0, tl.float32)
+        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
+        else:
+            u = g
+        dg, du, value = act_backward(g, u, acc * p[:, None], alpha, limit, ACT)
+        if WRITE_DPROB:
+            part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)
+            tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
+        if WRITE_DBIAS:
+            db_ptrs = dbias_ptr + pid_m * stride_dbias_t + cols
+            tl.store(db_ptrs, tl.sum(tl.where(out_mask, dg, 0.0), axis=0), mask=col_ok)
+            if GATED:
+                tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
+        dg = tl.where(is_padding, 0.0, dg)
+        _store_mx(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
+                  stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
+        if GATED:
+            du = tl.where(is_padding, 0.0, du)
+            _store_mx(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm,
+                      stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX,
+                      MAX_NORM_RCP, BM, BN)
+
+
+def _tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides and unit inner strides."""
+    return (a.stride(1) == 1 and b.is_contiguous() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+            and a.stride(0) % 16 == 0)
+
+
+def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
+           schedule: torch.Tensor, num_experts: int, spec: MXSpec, *, c: Optional[torch.Tensor] = None,
+           q=None, q_up_offset: int = 0, h: Optional[torch.Tensor] = None, h_up_offset: int = 0,
+           b_up_rows: int = 0, bias: Optional[torch.Tensor] = None, bias_up_offset: int = 0,
+           probs: Optional[torch.Tensor] = None, dprob: Optional[torch.Tensor] = None,
+           dbias: Optional[torch.Tensor] = None, activation: str = "swiglu", alpha: float = 1.702,
+           limit: float = 7.0, gated: bool = False, config: Optional[MXGemmConfig] = None):
+    """One MXFP8 grouped GEMM. ``a`` [T, K] FP8 + ``a_scale`` [T, K/32] uint8; ``b`` [E, rows, K] FP8
+    K-major (contiguous) + ``b_scale`` [E, rows, K/32] uint8 (any strides); ``n`` output columns (the
+    gate half for gated FC1/DACT). ``q`` (FC1/DACT): an :class:`~.quantize.MXRows` whose present
+    copies are written with ``spec``'s format (the GEMM operands' formats are their dtypes).
+    ``dprob``: FP32 ``[cdiv(n, 128), T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
+    mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
+    cfg = config or default_config(kind)
+    num_rows, k = a.shape
+    if k % MX or n % TILE:
+        raise ValueError(f"MXFP8 GEMM: K={k} must be a multiple of {MX} and N={n} of {TILE}")
+    if mode != MODE_PLAIN and cfg.block_n != TILE:
+        raise ValueError(f"config: the quantizing epilogues need block_n={TILE}, got {cfg.block_n}")
+    m_tiles = max_m_tiles(num_rows, num_experts, TILE)
+    grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
+    b_rows = b.shape[1]
+    use_tma = USE_TMA_DEFAULT and _tma_allowed(a, b)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_src = TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [TILE, MX])
+        b_src = TensorDescriptor(b, [b.shape[0] * b_rows, k], [k, 1], [cfg.block_n, MX])
+    else:
+        a_src, b_src = a, b
+    dummy_f = a_scale
+    rowwise = q is not None and q.data is not None
+    colwise = q is not None and q.data_t is not None
+    q_data = q.data.view(torch.uint8) if rowwise else (q.data_t.view(torch.uint8) if colwise else a.view(torch.uint8))
+    qt_data = q.data_t.view(torch.uint8) if colwise else q_data
+    return mx_grouped_gemm_kernel[grid](
+        a_src, a.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1),
+        b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b_rows,
+        b_up_rows,
+        c if c is not None else dummy_f, c.stride(0) if c is not None else 0,
+        q_data, q.data.stride(0) if rowwise else 0, q.scale if rowwise else dummy_f, q.scale.stride(0) if rowwise else 0,
+        q.scale.stride(1) if rowwise else 0,
+        qt_data, q.data_t.stride(0) if colwise else 0, q.scale_t if colwise else dummy_f,
+        q.scale_t.stride(0) if colwise else 0, q_up_offset,
+        h if h is not None else dummy_f, h.stride(0) if h is not None else 0, h_up_offset,
+        bias if bias is not None else dummy_f, bias.stride(0) if bias is not None else 0, bias_up_offset,
+        probs if probs is not None else dummy_f, dprob if dprob is not None else dummy_f,
+        dprob.stride(0) if dprob is not None else 0,
+        dbias if dbias is not None else dummy_f, dbias.stride(0) if dbias is not None else 0,
+        schedule,
+        num_rows, n, k, float(alpha), float(limit), m_tiles, num_experts + 1,
+        MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
+        HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
+        WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
+        **spec.constexprs(), BM=TILE, BN=cfg.block_n, BK=MX, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

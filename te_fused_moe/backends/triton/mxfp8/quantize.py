@@ -1,0 +1,302 @@
+"""Triton quantize kernels of the MXFP8 recipe, and its per-step weight cache.
+
+Layouts (what the MXFP8 GEMMs read; Hopper's FP8 wgmma wants both operands K-major). Scales are
+uint8 E8M0 exponents (as :mod:`te_fused_moe.quantize.mxfp8` stores them):
+
+- rowwise activation/gradient ``data [T, K]`` (FP8) + ``scale [T, K/32]``: 1x32 blocks along K,
+  the operand of the fprop/dgrad GEMMs. ``scale`` is stored K-block-major (a ``[K/32, T]`` buffer
+  seen transposed): a GEMM's K step loads its tile's 128 row scales from one contiguous run.
+- columnwise copy ``data_t [K, 128 * max_m_tiles]`` (FP8, transposed) + ``scale_t
+  [4 * max_m_tiles, K]``: 32-token blocks along the tokens that restart at each expert's first row.
+  As in ``fp8_block``, M tile ``t`` of the schedule (``block_m = 128``) owns columns ``[128 t, 128 t
+  + 128)`` of ``data_t`` (zeros past the expert's last row) and scale rows ``[4 t, 4 t + 4)``: each
+  32-token block lies inside one expert, and the wgrad reads whole aligned blocks.
+- weights ``data [E, N, K]`` + ``scale [E, N, K/32]`` (1x32 along K: fprop), and ``data_t [E, K, N]``
+  + ``scale_t [E, K, N/32]`` (the transposed copy, 1x32 along N: dgrad). Both scale tensors are
+  stored block-major (``[E, K/32, N]`` and ``[E, N/32, K]`` buffers seen transposed), so a GEMM's
+  K step loads one contiguous run of per-column scales.
+
+H and F (every K and N) must be multiples of 128 (one quantize program per 128 columns, BN = 128
+epilogues); the rules (amax, E8M0, rounding) are :mod:`te_fused_moe.quantize.mxfp8`'s, see :mod:`.codec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8_block.codec import encode_fp8, nan_free_abs
+from ..fp8_block.quantize import WeightCache
+from ..grouped_gemm import interpreting
+from ..schedule import max_m_tiles
+from .codec import mx_scale
+
+MX = 32  # elements per scale block
+TILE = 128  # schedule M tile; columns per quantize program
+
+
+@dataclasses.dataclass(frozen=True)
+class MXSpec:
+    """An FP8 element format as the kernels' constexprs (``MAX_NORM_RCP``: FP32 1/max, TE's constant)."""
+
+    torch_dtype: torch.dtype = torch.float8_e4m3fn
+    mant: int = 3
+    bias: int = 7
+    max_value: float = 448.0
+
+    @staticmethod
+    def of(fmt: str) -> "MXSpec":
+        if fmt == "e4m3":
+            return MXSpec(torch.float8_e4m3fn, 3, 7, 448.0)
+        if fmt == "e5m2":
+            return MXSpec(torch.float8_e5m2, 2, 15, 57344.0)
+        raise ValueError(f"fmt: expected 'e4m3' or 'e5m2', got {fmt!r}")
+
+    @property
+    def fmt(self) -> str:
+        return "e4m3" if self.mant == 3 else "e5m2"
+
+    def constexprs(self) -> dict:
+        rcp = float(torch.tensor(1.0 / self.max_value, dtype=torch.float32))  # the FP32 value, exactly
+        return dict(MANT=self.mant, EBIAS=self.bias, FP8_MAX=self.max_value, MAX_NORM_RCP=rcp)
+
+
+def new_row_scales(num_rows: int, k: int, like: torch.Tensor, alloc=torch.empty) -> torch.Tensor:
+    """``[T, K/32]`` uint8 row scales, stored K-block-major (strides ``(1, T)``)."""
+    return alloc((k // MX, num_rows), device=like.device, dtype=torch.uint8).t()
+
+
+def new_transposed(cols: int, num_rows: int, num_experts: int, like: torch.Tensor, dtype: torch.dtype,
+                   alloc=torch.empty) -> torch.Tensor:
+    """``[cols, 128 * max_m_tiles]`` buffer of a columnwise copy (one 128-column slot per tile)."""
+    return alloc((cols, TILE * max_m_tiles(num_rows, num_experts, TILE)), device=like.device, dtype=dtype)
+
+
+def new_col_scales(cols: int, num_rows: int, num_experts: int, like: torch.Tensor, alloc=torch.empty) -> torch.Tensor:
+    """``[4 * max_m_tiles, cols]`` uint8 scales of a columnwise copy (4 token blocks per tile)."""
+    return alloc(((TILE // MX) * max_m_tiles(num_rows, num_experts, TILE), cols), device=like.device,
+                 dtype=torch.uint8)
+
+
+def expert_columns(data_t: torch.Tensor, tile_start: int, num_rows: int) -> torch.Tensor:
+    """The ``[K, num_rows]`` columnwise data of a group whose tiles start at ``tile_start`` (tests)."""
+    return data_t[:, TILE * tile_start: TILE * tile_start + num_rows]
+
+
+def expert_col_scales(scale_t: torch.Tensor, tile_start: int, num_rows: int) -> torch.Tensor:
+    """The ``[cdiv(num_rows, 32), K]`` columnwise scales of a group (tests)."""
+    first = (TILE // MX) * tile_start
+    return scale_t[first: first + triton.cdiv(num_rows, MX)]
+
+
+@dataclasses.dataclass
+class MXRows:
+    """An activation or gradient quantized for the expert GEMMs (layouts in the module doc)."""
+
+    data: Optional[torch.Tensor] = None  # [T, K] fp8
+    scale: Optional[torch.Tensor] = None  # [T, K/32] uint8
+    data_t: Optional[torch.Tensor] = None  # [K, 128 * max_m_tiles] fp8
+    scale_t: Optional[torch.Tensor] = None  # [4 * max_m_tiles, K] uint8
+
+
+@triton.jit
+def quantize_rowwise_block(v, BM: tl.constexpr, BN: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr,
+                           FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr):
+    """1x32 blocks of FP32 ``v`` [BM, BN] along its columns: (codes [BM, BN] uint8, scales [BM, BN/32] uint8)."""
+    blocks = tl.reshape(v, (BM, BN // 32, 32))
+    code, mult = mx_scale(tl.max(nan_free_abs(blocks), axis=2), MAX_NORM_RCP)
+    codes = encode_fp8(tl.reshape(blocks * mult[:, :, None], (BM, BN)), MANT, EBIAS, FP8_MAX)
+    return codes, code
+
+
+@triton.jit
+def quantize_colwise_block(v, BM: tl.constexpr, BN: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr,
+                           FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr):
+    """32x1 blocks of FP32 ``v`` [BM, BN] along its rows (rows past the group's end must be zero):
+    (codes [BM, BN] uint8, scales [BM/32, BN] uint8)."""
+    blocks = tl.reshape(v, (BM // 32, 32, BN))
+    code, mult = mx_scale(tl.max(nan_free_abs(blocks), axis=1), MAX_NORM_RCP)
+    codes = encode_fp8(tl.reshape(blocks * mult[:, None, :], (BM, BN)), MANT, EBIAS, FP8_MAX)
+    return codes, code
+
+
+@triton.jit
+def quantize_tiles_kernel(
+    x_ptr, stride_xm,
+    q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+    qt_ptr, stride_qtk, qts_ptr, stride_qtsb,
+    colsum_ptr, stride_cst,
+    sched_ptr, K, NUM_GROUPS,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr,
+    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    """One program per (schedule M tile, 128 columns): 1x32 rowwise blocks and, with ``COLWISE``,
+    32-token blocks inside the tile (the tile's rows belong to one group); with ``COLSUM`` the tile's
+    FP32 column sums (bias gradients)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
+    if pid_m >= total_tiles:
+        return
+    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
+    rows = row_start + (pid_m - tile_start) * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    row_ok = rows < row_end
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if COLSUM:
+        tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0))
+    if ROWWISE:
+        codes, sc = quantize_rowwise_block(x, BM, BK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+        kb = pid_k * (BK // 32) + tl.arange(0, BK // 32)
+        tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
+    if COLWISE:
+        codes_c, sc_c = quantize_colwise_block(x, BM, BK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        codes_c = tl.where(row_ok[:, None], codes_c, 0).to(tl.uint8)
+        slot = pid_m * BM + tl.arange(0, BM)  # the tile's own 128 columns; zeros past the group's end
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + slot[None, :], tl.trans(codes_c))
+        tb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_c)
+
+
+@triton.jit
+def quantize_weight_kernel(
+    w_ptr, stride_we, stride_wn,
+    q_ptr, s_ptr, stride_se, stride_sk,
+    qt_ptr, st_ptr, stride_ste, stride_stn,
+    N, K,
+    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
+    TRANSPOSED: tl.constexpr, BLK: tl.constexpr,
+):
+    """One 128x128 tile of ``w[e]`` [N, K]: ``q[e]`` [N, K] with 1x32 blocks along K (scales at
+    ``s[e, k // 32, n]``) and ``qt[e]`` [K, N] with 1x32 blocks along N (scales at ``st[e, n // 32, k]``)."""
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLK + tl.arange(0, BLK)
+    cols = pid_k * BLK + tl.arange(0, BLK)
+    base = e.to(tl.int64) * stride_we
+    w = tl.load(w_ptr + base + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
+    out = e.to(tl.int64) * N * K
+    codes, sc = quantize_rowwise_block(w, BLK, BLK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+    tl.store(q_ptr + out + rows[:, None] * K + cols[None, :], codes)
+    kb = pid_k * (BLK // 32) + tl.arange(0, BLK // 32)
+    tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
+    if TRANSPOSED:
+        codes_t, sc_t = quantize_colwise_block(w, BLK, BLK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        tl.store(qt_ptr + out + cols[:, None] * N + rows[None, :], tl.trans(codes_t))
+        nb = pid_n * (BLK // 32) + tl.arange(0, BLK // 32)
+        tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
+
+
+def _codes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: MXSpec, *, rowwise: bool = True,
+                  colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None) -> MXRows:
+    """MXFP8-quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
+    rowwise (1x32 along K) and/or columnwise (32 tokens per block, restarting at each expert).
+    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``."""
+    num_rows, k = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
+    if k % TILE:
+        raise ValueError(f"x: the MXFP8 quantize kernel needs a width that is a multiple of {TILE}, got {k}")
+    out = MXRows()
+    if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
+        return out
+    m_tiles = max_m_tiles(num_rows, num_experts, TILE)
+    if rowwise:
+        out.data = alloc((num_rows, k), device=x.device, dtype=spec.torch_dtype)
+        out.scale = new_row_scales(num_rows, k, x, alloc)
+    if colwise:
+        out.data_t = new_transposed(k, num_rows, num_experts, x, spec.torch_dtype, alloc)
+        out.scale_t = new_col_scales(k, num_rows, num_experts, x, alloc)
+    dummy = x.view(torch.uint8)
+    quantize_tiles_kernel[(m_tiles, k // TILE)](
+        x, x.stride(0),
+        _codes(out.data) if rowwise else dummy, out.data.stride(0) if rowwise else 0,
+        out.scale if rowwise else dummy, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
+        _codes(out.data_t) if colwise else dummy, out.data_t.stride(0) if colwise else 0,
+        out.scale_t if colwise else dummy, out.scale_t.stride(0) if colwise else 0,
+        col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
+        schedule, k, num_experts + 1,
+        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=TILE, BK=TILE,
+        num_warps=4 if interpreting() else 8,
+    )
+    return out
+
+
+@dataclasses.dataclass
+class MXWeight:
+    """``w [E, N, K]`` quantized for both GEMM directions (layouts in the module doc)."""
+
+    data: torch.Tensor  # [E, N, K] fp8, 1x32 along K
+    scale: torch.Tensor  # [E, N, K/32] uint8 (block-major storage)
+    data_t: Optional[torch.Tensor]  # [E, K, N] fp8, 1x32 along N
+    scale_t: Optional[torch.Tensor]  # [E, K, N/32] uint8 (block-major storage)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.data_t, self.scale, self.scale_t)
+                   if t is not None)
+
+
+def quantize_weight(w: torch.Tensor, spec: MXSpec, *, transposed: bool = True, alloc=torch.empty) -> MXWeight:
+    """MXFP8-quantize ``w [E, N, K]`` along K, and (``transposed``) its transpose along N."""
+    if w.dim() != 3 or w.stride(2) != 1:
+        raise ValueError(f"w: expected [E, N, K] with unit inner stride, got shape {tuple(w.shape)} strides {w.stride()}")
+    e, n, k = w.shape
+    if n % TILE or k % TILE:
+        raise ValueError(f"w: the MXFP8 weight quantizer needs both sizes to be multiples of {TILE}, got {tuple(w.shape)}")
+    data = alloc((e, n, k), device=w.device, dtype=spec.torch_dtype)
+    scale = alloc((e, k // MX, n), device=w.device, dtype=torch.uint8).transpose(1, 2)
+    data_t = alloc((e, k, n), device=w.device, dtype=spec.torch_dtype) if transposed else None
+    scale_t = alloc((e, n // MX, k), device=w.device, dtype=torch.uint8).transpose(1, 2) if transposed else None
+    if w.numel():
+        quantize_weight_kernel[(e, n // TILE, k // TILE)](
+            w, w.stride(0), w.stride(1),
+            _codes(data), scale, scale.stride(0), scale.stride(2),
+            _codes(data_t) if transposed else _codes(data), scale_t if transposed else scale,
+            scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0,
+            n, k, **spec.constexprs(), TRANSPOSED=transposed, BLK=TILE,
+            num_warps=4 if interpreting() else 8,
+        )
+    return MXWeight(data, scale, data_t, scale_t)
+
+
+class MXWeightCache(WeightCache):
+    """``fp8_block``'s per-optimizer-step weight cache (same invalidation rules: tensor, storage,
+    version, optimizer-step generation; bypassed while a CUDA graph is captured) holding MXFP8 copies.
+
+    Only the lookup is re-stated here because the base class calls the FP8-block quantizer by
+    name; a ``quantize_fn`` argument on ``WeightCache`` would make this subclass unnecessary."""
+
+    def get(self, w: torch.Tensor, spec: MXSpec, transposed: bool = True) -> MXWeight:
+        key = (self.generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed)
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            entry = self._entries.get(w)
+            if entry is not None and entry[0] == key:
+                self.hits += 1
+                return entry[1]
+        self.misses += 1
+        with torch.no_grad():
+            q = quantize_weight(w.detach(), spec, transposed=transposed)
+        if not capturing:
+            self._entries[w] = (key, q)
+        return q
+
+
+WEIGHT_CACHE = MXWeightCache()

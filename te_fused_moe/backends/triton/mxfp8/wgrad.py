@@ -1,0 +1,122 @@
+"""MXFP8 weight gradients: ``dW[e] = G_e^T @ X_e`` reduced over expert ``e``'s tokens, from the
+columnwise (transposed) copies of ``G`` [T, N] and ``X`` [T, K]: 32-token blocks that restart at
+each expert's first row (layout in :mod:`.quantize`: tile ``t`` owns columns ``[128 t, 128 t + 128)``
+of ``data_t`` and scale rows ``[4 t, 4 t + 4)``). Every step reduces one 32-token block with both
+operands' E8M0 scales promoted in FP32 (exact: powers of two): ``acc += dot(g, x^T) * gs[:, None] *
+xs[None, :]``. Only the expert's ``cdiv(rows, 32)`` blocks are read (the zero tail of its last tile
+is skipped). Experts with no tokens store zeros. ``db1``/``db2`` reuse ``fp8_block.wgrad``'s per-tile
+column sums (:func:`~..fp8_block.wgrad.tile_sums_to_experts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..act_math import to_output
+from ..grouped_gemm import interpreting
+from . import gemm as mx_gemm
+from .codec import mx_dequant_scale
+from .quantize import MX, TILE, MXRows
+
+
+@dataclass(frozen=True)
+class MXWgradConfig:
+    block_n: int = 128
+    block_k: int = 128
+    group_n: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+def default_config() -> MXWgradConfig:
+    if interpreting():
+        return MXWgradConfig(group_n=2, num_warps=4, num_stages=1)
+    return MXWgradConfig()
+
+
+@triton.jit
+def mx_wgrad_kernel(
+    g_src, stride_gn, gs_ptr, stride_gsb,
+    x_src, stride_xk, xs_ptr, stride_xsb,
+    dw_ptr, stride_dw_e, stride_dw_n,
+    sched_ptr, N, K, NUM_GROUPS,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    TILE_M: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BN)
+    num_pid_k = tl.cdiv(K, BK)
+    pids_per_band = GROUP_N * num_pid_k
+    band = pid // pids_per_band
+    first_n = band * GROUP_N
+    band_n = tl.minimum(num_pid_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % pids_per_band) % band_n
+    pid_k = (pid % pids_per_band) // band_n
+
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + expert)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + expert)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + expert)
+    first_block = tile_start * (TILE_M // BT)
+    last_block = first_block + tl.cdiv(row_end - row_start, BT)
+
+    cols_n = pid_n * BN + tl.arange(0, BN)
+    cols_k = pid_k * BK + tl.arange(0, BK)
+    n_in = tl.minimum(cols_n, N - 1)
+    k_in = tl.minimum(cols_k, K - 1)
+    if not USE_TMA:
+        toks = tl.arange(0, BT)
+        g_ptrs = g_src + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
+        x_ptrs = x_src + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    for blk in range(first_block, last_block):
+        if USE_TMA:
+            g = g_src.load([pid_n * BN, blk * BT])
+            x = x_src.load([pid_k * BK, blk * BT])
+        else:
+            g = tl.load(g_ptrs + blk * BT)
+            x = tl.load(x_ptrs + blk * BT)
+        gs = mx_dequant_scale(tl.load(gs_ptr + blk * stride_gsb + n_in))
+        xs = mx_dequant_scale(tl.load(xs_ptr + blk * stride_xsb + k_in))
+        if UPCAST:
+            g = g.to(tl.float32)
+            x = x.to(tl.float32)
+        acc += tl.dot(g, tl.trans(x)) * (gs[:, None] * xs[None, :])
+
+    mask = (cols_n < N)[:, None] & (cols_k < K)[None, :]
+    dw_ptrs = dw_ptr + expert.to(tl.int64) * stride_dw_e + cols_n.to(tl.int64)[:, None] * stride_dw_n + cols_k[None, :]
+    tl.store(dw_ptrs, to_output(acc, dw_ptr.dtype.element_ty, UPCAST), mask=mask)
+
+
+def mx_grouped_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, dw: torch.Tensor,
+                     config: Optional[MXWgradConfig] = None) -> None:
+    """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
+    num_experts, n, k = dw.shape
+    if g.data_t is None or x.data_t is None:
+        raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t)")
+    if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
+        raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}^T, x {tuple(x.data_t.shape)}^T")
+    cfg = config or default_config()
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
+    use_tma = mx_gemm.USE_TMA_DEFAULT and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        slots = g.data_t.shape[1]
+        g_src = TensorDescriptor(g.data_t, [n, slots], [slots, 1], [cfg.block_n, MX])
+        x_src = TensorDescriptor(x.data_t, [k, slots], [slots, 1], [cfg.block_k, MX])
+    else:
+        g_src, x_src = g.data_t, x.data_t
+    mx_wgrad_kernel[grid](
+        g_src, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0),
+        x_src, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0),
+        dw, dw.stride(0), dw.stride(1),
+        schedule, n, k, num_experts + 1,
+        USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=MX, TILE_M=TILE,
+        GROUP_N=cfg.group_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
