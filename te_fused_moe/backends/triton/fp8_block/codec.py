@@ -1,15 +1,22 @@
 """FP8 block-scaling arithmetic as Triton device functions: block scale from amax, and the
 FP32 -> FP8 encoding, both exactly as :mod:`te_fused_moe.quantize.fp8_block` defines them (TE's rules).
 
-The encoding is done on the FP32 bits (round to nearest even, satfinite, NaN -> 0x7F) instead of a
-``.to(tl.float8e4nv)`` cast: Triton 3.6's CPU interpreter rounds that cast differently from the
-GPU's ``cvt.rn.satfinite`` (a few bytes in 256 off by one ulp), and the bit path is the same
-arithmetic on both, so kernel bytes can be checked bit-exactly on the CPU too. It costs ~20 integer
-ops per element, in epilogues that are far from ALU-bound.
+On the GPU the encoding is the hardware's ``cvt.rn.satfinite`` (``.to(tl.float8e4nv)``: round to
+nearest even, satfinite, two values per instruction). Under Triton 3.6's CPU interpreter that cast
+rounds differently (a few bytes in 256 off by one ulp), so there :func:`encode_fp8` runs the same
+rules on the FP32 bits (:func:`encode_fp8_bits`) and kernel bytes can be checked bit-exactly on the
+CPU too. The bit path costs ~25 integer ops per element: it made the quantize passes ALU-bound
+(~630 GB/s on the H200), which is why the GPU takes the cast. The GPU tests check the cast against
+the reference encoder bit for bit (edge values and random FP32 bit patterns).
 """
+
+import os
 
 import triton
 import triton.language as tl
+
+# the hardware conversion everywhere but in the CPU interpreter (a global constexpr: jit code reads it)
+NATIVE_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -36,6 +43,20 @@ def block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr, value_for_inf):
 
 @triton.jit
 def encode_fp8(v, MANT: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """uint8 code of FP32 ``v`` in the FP8 format (see :func:`encode_fp8_bits` for the rules)."""
+    if NATIVE_CVT:
+        if MANT == 3:
+            codes = v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            codes = v.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        # cvt keeps a NaN's sign (0xFF); the rules (TE's) give the positive 0x7F
+        return tl.where(v != v, 0x7F, codes).to(tl.uint8)
+    else:
+        return encode_fp8_bits(v, MANT, BIAS, FP8_MAX)
+
+
+@triton.jit
+def encode_fp8_bits(v, MANT: tl.constexpr, BIAS: tl.constexpr, FP8_MAX: tl.constexpr):
     """uint8 code of FP32 ``v`` in the FP8 format with ``MANT`` mantissa bits and exponent ``BIAS``
     (E4M3: 3, 7, 448; E5M2: 2, 15, 57344): nearest, ties to even, satfinite, NaN -> 0x7F, sign of
     zero kept."""
