@@ -42,7 +42,7 @@ from ..act_math import ACT_IDS, act_backward, act_forward, to_output
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
-from .quantize import BLOCK, FLOAT32_MAX, FP8Spec
+from .quantize import BLOCK, FLOAT32_MAX, FP8Spec, row_block
 
 MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
 # Tests flip this to cover the pointer-load path under the interpreter as well.
@@ -57,6 +57,7 @@ class FP8GemmConfig:
     num_stages: int = 3
     use_tma: bool = True
     split_epilogue: bool = True  # FC1 and dGLU epilogues in two 64-column halves (register pressure)
+    two_pass_dact: bool = True  # dGLU epilogue in two passes over 32-column blocks (see the kernel)
 
 
 def default_config(kind: str) -> FP8GemmConfig:
@@ -75,38 +76,40 @@ def default_config(kind: str) -> FP8GemmConfig:
 
 
 @triton.jit
-def _store_quantized(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+def _store_quantized(v, row0, row_ok, col0, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
                      qts_ptr, stride_qtst, value_for_inf, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                      MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """Quantize the FP32 tile ``v`` [128 rows, 128 columns ``cols``]: rowwise (one block per row)
-    and/or columnwise over the valid rows (one block per column), the latter stored transposed."""
+    """Quantize the FP32 tile ``v`` [128 rows from ``row0``, 128 columns from ``col0``]: rowwise (one
+    block per row) and/or columnwise over the valid rows (one block per column), stored transposed."""
     mask = row_ok[:, None]
     if ROWWISE:
         scale, inv = block_scale(tl.max(nan_free_abs(v), axis=1), FP8_MAX, POW2, value_for_inf)
-        codes = encode_fp8(v * scale[:, None], MANT, EBIAS, FP8_MAX)
-        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
-        tl.store(qs_ptr + rows64 * stride_qsm + (tl.min(cols, axis=0) // 128) * stride_qsk, inv, mask=row_ok)
+        local = tl.arange(0, 128)
+        tl.store(row_block(q_ptr, row0, stride_qm, col0, 128) + tl.arange(0, 128)[None, :],
+                 encode_fp8(v * scale[:, None], MANT, EBIAS, FP8_MAX), mask=mask)
+        tl.store(qs_ptr + row0 * stride_qsm + (col0 // 128) * stride_qsk + local * stride_qsm, inv, mask=row_ok)
     if COLWISE:
-        _store_colwise(v, rows64, row_ok, cols, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+        _store_colwise(v, row_ok, col0, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
                        MANT, EBIAS, FP8_MAX, POW2)
 
 
 @triton.jit
-def _store_colwise(v, rows64, row_ok, cols, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+def _store_colwise(v, row_ok, col0, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
                    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """Columnwise blocks of ``v`` [128 rows, any columns]: one per column over the tile's valid rows,
-    stored transposed into the tile's own 128-column slot of ``data_t`` (see quantize.py)."""
+    """Columnwise blocks of ``v`` [128 rows, columns from ``col0``]: one per column over the tile's valid
+    rows, stored transposed into the tile's own 128-column slot of ``data_t`` (see quantize.py)."""
+    WIDTH: tl.constexpr = v.shape[1]
     mask = row_ok[:, None]
     amax_c = tl.max(tl.where(mask, nan_free_abs(v), 0.0), axis=0)
     scale_c, inv_c = block_scale(amax_c, FP8_MAX, POW2, value_for_inf)
     codes_c = tl.where(mask, encode_fp8(v * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0).to(tl.uint8)
-    slot = tile * 128 + tl.arange(0, 128)
-    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :], tl.trans(codes_c))
-    tl.store(qts_ptr + tile * stride_qtst + cols, inv_c)
+    slot_ptrs = row_block(qt_ptr, col0.to(tl.int64), stride_qtn, tile * 128, WIDTH)
+    tl.store(slot_ptrs + tl.arange(0, 128)[None, :], tl.trans(codes_c))
+    tl.store(qts_ptr + tile * stride_qtst + col0 + tl.arange(0, WIDTH), inv_c)
 
 
 @triton.jit
-def _store_quantized_halves(v_lo, v_hi, rows64, row_ok, cols_lo, cols_hi, tile, q_ptr, stride_qm, qs_ptr, stride_qsm,
+def _store_quantized_halves(v_lo, v_hi, row0, row_ok, col0, tile, q_ptr, stride_qm, qs_ptr, stride_qsm,
                             stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
                             ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr,
                             FP8_MAX: tl.constexpr, POW2: tl.constexpr):
@@ -116,24 +119,27 @@ def _store_quantized_halves(v_lo, v_hi, rows64, row_ok, cols_lo, cols_hi, tile, 
     if ROWWISE:
         amax = tl.maximum(tl.max(nan_free_abs(v_lo), axis=1), tl.max(nan_free_abs(v_hi), axis=1))
         scale, inv = block_scale(amax, FP8_MAX, POW2, value_for_inf)
-        row_ptrs = q_ptr + rows64[:, None] * stride_qm
-        tl.store(row_ptrs + cols_lo[None, :], encode_fp8(v_lo * scale[:, None], MANT, EBIAS, FP8_MAX), mask=mask)
-        tl.store(row_ptrs + cols_hi[None, :], encode_fp8(v_hi * scale[:, None], MANT, EBIAS, FP8_MAX), mask=mask)
-        tl.store(qs_ptr + rows64 * stride_qsm + (tl.min(cols_lo, axis=0) // 128) * stride_qsk, inv, mask=row_ok)
+        row_ptrs = row_block(q_ptr, row0, stride_qm, col0, 128) + tl.arange(0, 64)[None, :]
+        tl.store(row_ptrs, encode_fp8(v_lo * scale[:, None], MANT, EBIAS, FP8_MAX), mask=mask)
+        tl.store(row_ptrs + 64, encode_fp8(v_hi * scale[:, None], MANT, EBIAS, FP8_MAX), mask=mask)
+        local = tl.arange(0, 128)
+        tl.store(qs_ptr + row0 * stride_qsm + (col0 // 128) * stride_qsk + local * stride_qsm, inv, mask=row_ok)
     if COLWISE:
-        _store_colwise(v_lo, rows64, row_ok, cols_lo, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+        _store_colwise(v_lo, row_ok, col0, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
                        MANT, EBIAS, FP8_MAX, POW2)
-        _store_colwise(v_hi, rows64, row_ok, cols_hi, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+        _store_colwise(v_hi, row_ok, col0 + 64, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
                        MANT, EBIAS, FP8_MAX, POW2)
 
 
 @triton.jit
-def _dact_half(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding,
+def _dact_half(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding,
                ACT: tl.constexpr, GATED: tl.constexpr):
     """d act for a block of columns: (dg, du) zeroed on the padding group, the row sums of
     ``da * act(h)`` (dprob) and the column sums of dg and du over the valid rows (db1)."""
+    WIDTH: tl.constexpr = da.shape[1]
+    cols = col0 + tl.arange(0, WIDTH)
     mask = row_ok[:, None] & (cols < N)[None, :]
-    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    h_ptrs = row_block(h_ptr, row0, stride_hm, col0, 128) + tl.arange(0, WIDTH)[None, :]
     g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
     if GATED:
         u = tl.load(h_ptrs + h_up_offset, mask=mask, other=0.0).to(tl.float32)
@@ -144,6 +150,54 @@ def _dact_half(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, al
     dg = tl.where(is_padding, 0.0, dg)
     du = tl.where(is_padding, 0.0, du)
     return dg, du, part, tl.sum(tl.where(mask, dg, 0.0), axis=0), tl.sum(tl.where(mask, du, 0.0), axis=0)
+
+
+@triton.jit
+def _quarters(t, BM: tl.constexpr, BN: tl.constexpr):
+    """``t`` [BM, BN] as four [BM, BN / 4] column blocks, in order."""
+    lo, hi = tl.split(tl.permute(tl.reshape(t, (BM, 2, BN // 2)), (0, 2, 1)))
+    q0, q1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, BN // 4)), (0, 2, 1)))
+    q2, q3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, BN // 4)), (0, 2, 1)))
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _dact_stats(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding, tile,
+                qt_ptr, stride_qtn, qts_ptr, stride_qtst, q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf,
+                COLWISE: tl.constexpr, WRITE_DBIAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+                MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """First pass of the two-pass dGLU epilogue over one column block: its columnwise blocks (complete
+    per column) and bias sums are stored; returns the dprob row sums and the rows' |dg|, |du| maxima."""
+    WIDTH: tl.constexpr = da.shape[1]
+    dg, du, part, dbg, dbu = _dact_half(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
+                                        is_padding, ACT, GATED)
+    if WRITE_DBIAS:
+        db_ptrs = dbias_ptr + tile * stride_dbias_t + col0 + tl.arange(0, WIDTH)
+        tl.store(db_ptrs, dbg)
+        if GATED:
+            tl.store(db_ptrs + h_up_offset, dbu)
+    if COLWISE:
+        _store_colwise(dg, row_ok, col0, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                       MANT, EBIAS, FP8_MAX, POW2)
+        if GATED:
+            _store_colwise(du, row_ok, col0 + q_up_offset, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
+                           value_for_inf, MANT, EBIAS, FP8_MAX, POW2)
+    return part, tl.max(nan_free_abs(dg), axis=1), tl.max(nan_free_abs(du), axis=1)
+
+
+@triton.jit
+def _dact_rowwise(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding,
+                  q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT: tl.constexpr, GATED: tl.constexpr,
+                  MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Second pass over one column block: dg, du recomputed (cheaper than keeping the whole tile's
+    gradients live, which spilled) and written rowwise with the block scales of the first pass."""
+    WIDTH: tl.constexpr = da.shape[1]
+    dg, du, _, _, _ = _dact_half(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
+                                 is_padding, ACT, GATED)
+    ptrs = row_block(q_ptr, row0, stride_qm, col0, 128) + tl.arange(0, WIDTH)[None, :]
+    tl.store(ptrs, encode_fp8(dg * scale_g[:, None], MANT, EBIAS, FP8_MAX), mask=row_ok[:, None])
+    if GATED:
+        tl.store(ptrs + q_up_offset, encode_fp8(du * scale_u[:, None], MANT, EBIAS, FP8_MAX), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -161,7 +215,7 @@ def fp8_grouped_gemm_kernel(
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr, TWO_PASS_DACT: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -248,15 +302,16 @@ def fp8_grouped_gemm_kernel(
     row_ok = rows < row_end
     out_mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
+    row0 = a_row.to(tl.int64)
     bias_mask = col_ok & (group < NUM_GROUPS - 1)
     if MODE == 0:
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
-        tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(acc, c_ptr.dtype.element_ty, UPCAST),
-                 mask=out_mask)
+        tl.store(row_block(c_ptr, row0, stride_cm, pid_n * BN, BM) + tl.arange(0, BN)[None, :],
+                 to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
     elif MODE == 1:
-        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+        h_ptrs = row_block(h_ptr, row0, stride_hm, pid_n * BN, BM) + tl.arange(0, BN)[None, :]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -277,12 +332,11 @@ def fp8_grouped_gemm_kernel(
             # quantize in two 64-column halves (columnwise blocks are per column; the rowwise amax
             # spans both): less live FP32 state next to the transposed store
             v_lo, v_hi = tl.split(tl.permute(tl.reshape(value, (BM, 2, BN // 2)), (0, 2, 1)))
-            cols_lo = pid_n * BN + tl.arange(0, BN // 2)
-            _store_quantized_halves(v_lo, v_hi, rows64, row_ok, cols_lo, cols_lo + BN // 2, pid_m, q_ptr, stride_qm,
+            _store_quantized_halves(v_lo, v_hi, row0, row_ok, pid_n * BN, pid_m, q_ptr, stride_qm,
                                     qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
                                     value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
         else:
-            _store_quantized(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+            _store_quantized(value, row0, row_ok, pid_n * BN, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
                              qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
                              FP8_MAX, POW2)
     else:
@@ -291,15 +345,59 @@ def fp8_grouped_gemm_kernel(
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         else:
             p = tl.full((BM,), 1.0, tl.float32)
-        if SPLIT_EPILOGUE:
+        if TWO_PASS_DACT:
+            # two passes over four 32-column blocks: (1) columnwise blocks, bias and dprob sums, row
+            # amax; (2) dg, du recomputed and written rowwise. Only da (acc) stays live throughout.
+            d0, d1, d2, d3 = _quarters(acc, BM, BN)
+            Q: tl.constexpr = BN // 4
+            col0 = pid_n * BN
+            part, mg, mu = _dact_stats(d0, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
+                                       is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst, q_up_offset,
+                                       dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS, ACT, GATED,
+                                       MANT, EBIAS, FP8_MAX, POW2)
+            part1, mg1, mu1 = _dact_stats(d1, row0, row_ok, col0 + Q, N, p, h_ptr, stride_hm, h_up_offset, alpha,
+                                          limit, is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
+                                          q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS,
+                                          ACT, GATED, MANT, EBIAS, FP8_MAX, POW2)
+            part2, mg2, mu2 = _dact_stats(d2, row0, row_ok, col0 + 2 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha,
+                                          limit, is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
+                                          q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS,
+                                          ACT, GATED, MANT, EBIAS, FP8_MAX, POW2)
+            part3, mg3, mu3 = _dact_stats(d3, row0, row_ok, col0 + 3 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha,
+                                          limit, is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
+                                          q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS,
+                                          ACT, GATED, MANT, EBIAS, FP8_MAX, POW2)
+            if WRITE_DPROB:
+                tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, (part + part1) + (part2 + part3), mask=row_ok)
+            if ROWWISE:
+                scale_g, inv_g = block_scale(tl.maximum(tl.maximum(mg, mg1), tl.maximum(mg2, mg3)), FP8_MAX, POW2,
+                                             value_for_inf)
+                scale_u, inv_u = block_scale(tl.maximum(tl.maximum(mu, mu1), tl.maximum(mu2, mu3)), FP8_MAX, POW2,
+                                             value_for_inf)
+                inv_ptrs = qs_ptr + row0 * stride_qsm + (col0 // 128) * stride_qsk + tl.arange(0, BM) * stride_qsm
+                tl.store(inv_ptrs, inv_g, mask=row_ok)
+                if GATED:
+                    tl.store(inv_ptrs + (q_up_offset // 128) * stride_qsk, inv_u, mask=row_ok)
+                _dact_rowwise(d0, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding,
+                              q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS, FP8_MAX)
+                _dact_rowwise(d1, row0, row_ok, col0 + Q, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
+                              is_padding, q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS,
+                              FP8_MAX)
+                _dact_rowwise(d2, row0, row_ok, col0 + 2 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
+                              is_padding, q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS,
+                              FP8_MAX)
+                _dact_rowwise(d3, row0, row_ok, col0 + 3 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
+                              is_padding, q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS,
+                              FP8_MAX)
+        elif SPLIT_EPILOGUE:
             # two 64-column halves in turn (as the BF16 dGLU kernel does): da, gate, up and their
             # gradients for the whole 128-wide tile at once would spill registers
             acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             cols_lo = pid_n * BN + tl.arange(0, BN // 2)
             cols_hi = cols_lo + BN // 2
-            dg_lo, du_lo, part, dbg_lo, dbu_lo = _dact_half(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm,
+            dg_lo, du_lo, part, dbg_lo, dbu_lo = _dact_half(acc_lo, row0, row_ok, pid_n * BN, N, p, h_ptr, stride_hm,
                                                             h_up_offset, alpha, limit, is_padding, ACT, GATED)
-            dg_hi, du_hi, part_hi, dbg_hi, dbu_hi = _dact_half(acc_hi, rows64, row_ok, cols_hi, N, p, h_ptr,
+            dg_hi, du_hi, part_hi, dbg_hi, dbu_hi = _dact_half(acc_hi, row0, row_ok, pid_n * BN + BN // 2, N, p, h_ptr,
                                                                stride_hm, h_up_offset, alpha, limit, is_padding, ACT,
                                                                GATED)
             if WRITE_DPROB:
@@ -311,12 +409,11 @@ def fp8_grouped_gemm_kernel(
                 if GATED:
                     tl.store(db_ptrs + h_up_offset + cols_lo, dbu_lo)
                     tl.store(db_ptrs + h_up_offset + cols_hi, dbu_hi)
-            _store_quantized_halves(dg_lo, dg_hi, rows64, row_ok, cols_lo, cols_hi, pid_m, q_ptr, stride_qm, qs_ptr,
+            _store_quantized_halves(dg_lo, dg_hi, row0, row_ok, pid_n * BN, pid_m, q_ptr, stride_qm, qs_ptr,
                                     stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
                                     ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
             if GATED:
-                _store_quantized_halves(du_lo, du_hi, rows64, row_ok, cols_lo + q_up_offset, cols_hi + q_up_offset,
-                                        pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+                _store_quantized_halves(du_lo, du_hi, row0, row_ok, pid_n * BN + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
                                         qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX,
                                         POW2)
         else:
@@ -336,11 +433,11 @@ def fp8_grouped_gemm_kernel(
                 if GATED:
                     tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
             dg = tl.where(is_padding, 0.0, dg)
-            _store_quantized(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
+            _store_quantized(dg, row0, row_ok, pid_n * BN, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
                              stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
             if GATED:
                 du = tl.where(is_padding, 0.0, du)
-                _store_quantized(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+                _store_quantized(du, row0, row_ok, pid_n * BN + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
                                  qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
                                  FP8_MAX, POW2)
 
@@ -405,7 +502,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue,
+        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, TWO_PASS_DACT=mode == MODE_DACT and cfg.two_pass_dact,
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

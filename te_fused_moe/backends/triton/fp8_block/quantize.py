@@ -37,6 +37,7 @@ from ..schedule import max_m_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
 
 BLOCK = 128
+QUANTIZE_WARPS = 16  # per 128x128 tile: 32 values per thread (8 warps spilled with rowwise + columnwise)
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -89,6 +90,15 @@ class QuantizedRows:
 
 
 @triton.jit
+def row_block(ptr, row0, stride, col0, ROWS: tl.constexpr):
+    """``[ROWS, 1]`` row pointers of a 2-D buffer from (``row0``, ``col0``): one 64-bit scalar base plus
+    32-bit offsets. Per-element 64-bit index math held a pointer pair per element and was most of the
+    kernels' register spills (sm_90a ptxas)."""
+    base = ptr + row0 * stride + col0
+    return base + (tl.arange(0, ROWS) * stride)[:, None]
+
+
+@triton.jit
 def quantize_tiles_kernel(
     x_ptr, stride_xm,
     q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
@@ -111,26 +121,29 @@ def quantize_tiles_kernel(
     tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
     row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
     row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
-    rows = row_start + (pid_m - tile_start) * BM + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
+    row0 = row_start + (pid_m - tile_start) * BM
+    rows = row0 + tl.arange(0, BM)
+    col0 = pid_k * BK
+    cols = col0 + tl.arange(0, BK)
     row_ok = rows < row_end
     col_ok = cols < K
     mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    row0 = row0.to(tl.int64)
+    x = tl.load(row_block(x_ptr, row0, stride_xm, col0, BM) + tl.arange(0, BK)[None, :], mask=mask,
+                other=0.0).to(tl.float32)
     if COLSUM:
         tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0), mask=col_ok)
     if ROWWISE:
         scale, inv = block_scale(tl.max(nan_free_abs(x), axis=1), FP8_MAX, POW2, value_for_inf)
         codes = encode_fp8(x * scale[:, None], MANT, EBIAS, FP8_MAX)
-        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
-        tl.store(qs_ptr + rows64 * stride_qsm + pid_k * stride_qsk, inv, mask=row_ok)
+        tl.store(row_block(q_ptr, row0, stride_qm, col0, BM) + tl.arange(0, BK)[None, :], codes, mask=mask)
+        tl.store(qs_ptr + row0 * stride_qsm + pid_k * stride_qsk + tl.arange(0, BM) * stride_qsm, inv, mask=row_ok)
     if COLWISE:
         scale_c, inv_c = block_scale(tl.max(nan_free_abs(x), axis=0), FP8_MAX, POW2, value_for_inf)
         codes_c = tl.where(row_ok[:, None], encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0).to(tl.uint8)
-        slot = pid_m * BM + tl.arange(0, BM)  # the tile's own 128 columns; zeros past the group's end
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + slot[None, :], tl.trans(codes_c),
-                 mask=col_ok[:, None])
+        # the tile's own 128 columns of data_t; zeros past the group's end
+        slot_ptrs = row_block(qt_ptr, col0.to(tl.int64), stride_qtk, pid_m * BM, BK) + tl.arange(0, BM)[None, :]
+        tl.store(slot_ptrs, tl.trans(codes_c), mask=col_ok[:, None])
         tl.store(qts_ptr + pid_m * stride_qtst + cols, inv_c, mask=col_ok)
 
 
@@ -167,7 +180,7 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: FP8Spec, *, rowwise: bool = True,
                   colwise: bool = False, value_for_inf: float = FLOAT32_MAX, alloc=torch.empty,
-                  col_sums: Optional[torch.Tensor] = None) -> QuantizedRows:
+                  col_sums: Optional[torch.Tensor] = None, num_warps: Optional[int] = None) -> QuantizedRows:
     """Quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert).
     ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``."""
@@ -196,7 +209,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         col_sums if col_sums is not None else dummy_s, col_sums.stride(0) if col_sums is not None else 0,
         schedule, k, float(value_for_inf), num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
-        num_warps=4 if interpreting() else 8,
+        num_warps=4 if interpreting() else (num_warps or QUANTIZE_WARPS),
     )
     return out
 
