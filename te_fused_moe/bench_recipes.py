@@ -103,13 +103,26 @@ def _rowwise(t: torch.Tensor):
     return q, (1.0 / scale).squeeze(-1).contiguous()
 
 
-def _jagged_colwise_t(t: torch.Tensor, counts: torch.Tensor):
+def _padded_token_layout(counts: torch.Tensor, num_rows: int, multiple: int = 16):
+    """Where each routed row lands when every expert's token block is padded to ``multiple`` rows
+    (``_scaled_grouped_mm``'s K-grouped wgrad needs 16-byte group sizes): destination row per row,
+    padded offsets, and the fixed padded length ``T + multiple * E`` (no host sync)."""
+    padded = (counts + multiple - 1) // multiple * multiple
+    shift = torch.cumsum(padded - counts, 0) - (padded - counts)  # padding before each expert
+    dest = torch.arange(num_rows, device=counts.device) + torch.repeat_interleave(shift, counts, output_size=num_rows)
+    return dest, torch.cumsum(padded, 0, dtype=torch.int32), num_rows + multiple * counts.numel()
+
+
+def _jagged_colwise_t(t: torch.Tensor, counts: torch.Tensor, dest: torch.Tensor, padded_rows: int):
     """``t [T, N]`` quantized along the tokens per expert (one scale per column and expert), returned
-    transposed ``[N, T]`` (row-major) with the scales ``[E * N]`` (expert-major)."""
+    transposed ``[N, T_padded]`` (row-major, zeros in each expert's padding) with the scales ``[E * N]``
+    (expert-major)."""
     amax = torch.segment_reduce(t.abs().float(), "max", lengths=counts, axis=0).clamp_min(1e-12)  # [E, N]
     rows = torch.repeat_interleave(amax, counts, dim=0, output_size=t.shape[0])
     q = (t.float() * (FP8_MAX / rows)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.t().contiguous(), (amax / FP8_MAX).reshape(-1).contiguous()
+    out = torch.zeros(t.shape[1], padded_rows, device=t.device, dtype=torch.float8_e4m3fn)
+    out.view(torch.uint8)[:, dest] = q.view(torch.uint8).t()
+    return out, (amax / FP8_MAX).reshape(-1).contiguous()
 
 
 class FP8RowwiseScaledGroupedMM(torch.autograd.Function):
@@ -140,13 +153,14 @@ class FP8RowwiseScaledGroupedMM(torch.autograd.Function):
         dhq, dhs = _rowwise(dh)
         w1tq, w1ts = _rowwise(w1.transpose(1, 2).contiguous())  # [E, H, n1] along n1
         dx = torch._scaled_grouped_mm(dhq, w1tq.transpose(1, 2), dhs, w1ts, offs=offs, out_dtype=torch.bfloat16)
-        # wgrad: K-grouped (tokens), per-expert scales along the tokens
-        dyt, dyts = _jagged_colwise_t(dy, counts)
-        at, ats = _jagged_colwise_t(a, counts)
-        dw2 = torch._scaled_grouped_mm(dyt, at.t(), dyts, ats, offs=offs, out_dtype=torch.bfloat16)
-        dht, dhts = _jagged_colwise_t(dh, counts)
-        xt, xts = _jagged_colwise_t(x, counts)
-        dw1 = torch._scaled_grouped_mm(dht, xt.t(), dhts, xts, offs=offs, out_dtype=torch.bfloat16)
+        # wgrad: K-grouped (tokens), per-expert scales along the tokens, groups padded to 16 tokens
+        dest, offs16, padded_rows = _padded_token_layout(counts, dy.shape[0])
+        dyt, dyts = _jagged_colwise_t(dy, counts, dest, padded_rows)
+        at, ats = _jagged_colwise_t(a, counts, dest, padded_rows)
+        dw2 = torch._scaled_grouped_mm(dyt, at.t(), dyts, ats, offs=offs16, out_dtype=torch.bfloat16)
+        dht, dhts = _jagged_colwise_t(dh, counts, dest, padded_rows)
+        xt, xts = _jagged_colwise_t(x, counts, dest, padded_rows)
+        dw1 = torch._scaled_grouped_mm(dht, xt.t(), dhts, xts, offs=offs16, out_dtype=torch.bfloat16)
         return dx, None, dw1, dw2, None
 
 
@@ -162,9 +176,10 @@ IMPLEMENTATIONS = {
     "fp8_block_unfused": lambda x, c, w1, w2, act: FP8BlockUnfused.apply(x, c, w1, w2, act),
     "fp8_block_fused": _fp8_block_fused,
 }
-# Opt-in (--with-scaled-grouped-mm): on the H200 with torch 2.11 this baseline's wgrad call tripped a
-# device-side assert in _scaled_grouped_mm (GroupMMCommon.cuh:64, "dynamic dimension byte size ...
-# multiple of 16"), which kills the CUDA context and with it the whole benchmark run.
+# Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in
+# _scaled_grouped_mm on the H200 (torch 2.11, GroupMMCommon.cuh:64, "dynamic dimension byte size ...
+# multiple of 16"), which kills the CUDA context and the whole run; the wgrad operands are now padded
+# to 16 tokens per expert, but the device script still runs it in its own process.
 SCALED_GROUPED_MM = {
     "fp8_rowwise_scaled_grouped_mm": lambda x, c, w1, w2, act: FP8RowwiseScaledGroupedMM.apply(x, c, w1, w2, act),
 }
@@ -189,7 +204,8 @@ def bench_impl(name: str, shape: bench.Shape, inputs, peak: float) -> Dict:
 
 
 def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
-                      wgrad_config=None, only_gemms: bool = False) -> Dict[str, Dict[str, float]]:
+                      wgrad_config=None, only_gemms: bool = False,
+                      quantize_warps: Optional[int] = None) -> Dict[str, Dict[str, float]]:
     """Each kernel of the fused FP8 block path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize); optionally
     with given block configs (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU dgrad)."""
     from .backends.triton.fp8_block import gemm
@@ -218,7 +234,8 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=N
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
                 b_up_rows=F, **kw)
     kernels = {
-        "quantize_x_row_col": (lambda: quantize_rows(x, sched, E, spec, rowwise=True, colwise=True), None,
+        "quantize_x_row_col": (lambda: quantize_rows(x, sched, E, spec, rowwise=True, colwise=True,
+                                                     num_warps=quantize_warps), None,
                                T * H * 4.0),
         "quantize_weights": (lambda: (quantize_weight(w1, spec), quantize_weight(w2, spec)), None,
                              (w1.numel() + w2.numel()) * 4.0),
@@ -227,7 +244,8 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=N
                           2.0 * routed * H * n1, None),
         "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y,
                                     config=gemm_config), 2.0 * routed * F * H, None),
-        "quantize_dy_row_col": (lambda: quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True), None,
+        "quantize_dy_row_col": (lambda: quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True,
+                                                      num_warps=quantize_warps), None,
                                 T * H * 4.0),
         "fc2_dgrad_dglu_quant": (lambda: gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E,
                                                      spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
@@ -264,20 +282,17 @@ def fp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
 
     variants = {
         "default": {},
-        "stages3_bn128": dict(gemm_config=G(block_n=128, num_stages=3), epilogue_config=G(num_stages=4),
-                              wgrad_config=W(num_stages=3)),
-        "bn256_warps8": dict(gemm_config=G(block_n=256, num_stages=3), epilogue_config=G(num_stages=2),
-                             wgrad_config=W(block_n=128, block_k=128, num_stages=5)),
-        "warps4": dict(gemm_config=G(block_n=128, num_warps=4, num_stages=4),
-                       epilogue_config=G(num_warps=4, num_stages=3), wgrad_config=W(num_warps=4)),
-        "unsplit_dglu_epilogue": dict(epilogue_config=G(split_epilogue=False)),
+        "split_dglu_epilogue": dict(epilogue_config=G(two_pass_dact=False)),
+        "stages4": dict(gemm_config=G(block_n=128, num_stages=4), epilogue_config=G(num_stages=4),
+                        wgrad_config=W(num_stages=4)),
         "group16": dict(gemm_config=G(block_n=128, group_m=16, num_stages=4),
                         epilogue_config=G(group_m=16, num_stages=3), wgrad_config=W(group_n=16)),
+        "quantize_warps8": dict(quantize_warps=8),
     }
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)
     fp8_peak = fp8_ceiling_tflops()
-    return {name: bench_fp8_kernels(shape, inputs, fp8_peak, only_gemms=True, **kw) for name, kw in variants.items()}
+    return {name: bench_fp8_kernels(shape, inputs, fp8_peak, **kw) for name, kw in variants.items()}
 
 
 def weight_cache_report(inputs) -> Dict[str, float]:
