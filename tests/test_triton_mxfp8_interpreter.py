@@ -1,0 +1,645 @@
+"""The MXFP8 recipe (MXFP8BlockScaling) on the Triton backend, on CPU through Triton's interpreter.
+
+The checks are device-agnostic functions (``check_*``) that tests/gpu/test_triton_mxfp8_gpu.py runs
+again on the GPU. Under the interpreter they run in one fresh subprocess (``_worker``; see
+tests/moe_reference.run_in_triton_interpreter) and report numbers that the tests assert on.
+
+What is checked, and the bounds:
+
+1. E8M0 device functions (``mxfp8/codec.py``): bit-exact vs ``formats.e8m0_encode`` /
+   ``e8m0_decode`` / ``e8m0_reciprocal`` on edge values (0, Inf, NaN, FP32 subnormals around the
+   2^-127 rounding point, exact powers of two and one ulp either side, the largest finite) and
+   random non-negative FP32 bit patterns; and every 256 codes decoded.
+2. Quantize kernels: bytes and scales bit-exact vs ``te_fused_moe.quantize.mxfp8.quantize``: rowwise
+   1x32, columnwise 32-token blocks restarting at each expert (empty experts, padding rows), weights
+   along K and their transposed copy along N; NaN/Inf/zero/tiny rows; E4M3 and E5M2; BF16 and FP32.
+3. Every kernel on integer-valued x, w1, w2, dy in [-3, 3] (``check_kernels_exact``): these
+   quantize exactly and their GEMM sums are small integers, exact in any order, so ``h`` is exact
+   and the epilogues' quantized ``a`` / ``dh`` (rowwise and columnwise bytes + scales) must equal
+   the reference quantizer applied to the same FP32 values, bit for bit. The GEMMs that read
+   ``a`` / ``dh`` (y, dx, dw1, dw2) are checked against FP64 on the dequantized operands:
+   ``|out - ref| <= 2^-8 |ref| + 2^-12 (|A| @ |B|)``; db1 and dprob to 1e-6 of their abs sums.
+4. The whole MLP forward + backward vs the reference backend's emulation of the same recipe
+   (``fused_moe_mlp(..., recipe=MXFP8BlockScaling(), backend='reference')``) on random data and
+   routings (empty experts, one expert, padding rows, all padding, T = 0). The only differences
+   are the order of FP32 sums, which can move a value on an FP8 rounding boundary (or an amax next
+   to a power of two) by one FP8 step. Bound with ``h`` saved in FP32 (as the reference keeps it):
+   norm-relative <= 2e-3 per output and at most 1% of elements off by more than 1e-3 of the
+   output's max. With ``h`` saved in BF16 (the default) ``dh`` sees ``h`` rounded: <= 3e-2. Also vs
+   the FP64 fake-quantized ground truth (tests/fake_quant_reference.py) within 2e-2 (BF16 outputs).
+   Every buffer is poisoned (NaN) before the kernels write it.
+5. Dispatch and validation: shapes the kernels do not take raise naming the argument, ``auto``
+   falls back to the reference, recipe subsets are named; the benchmark's unfused baseline
+   (``te_fused_moe/bench_mxfp8.py``) computes the same recipe as the fused path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from moe_reference import run_in_triton_interpreter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ != "__main__":
+    pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
+
+GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
+TIGHT, LOOSE, FP64_BOUND = 2e-3, 3e-2, 2e-2
+
+# (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, tma, frozen, fp8_format)
+MLP_CASES = [
+    ("swiglu-empty-pad", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    ("gptoss-zipf", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, True, (), "E4M3"),
+    ("srelu-one-ptr", 200, 128, 128, 3, "srelu", False, True, "one", 0, True, False, (), "E4M3"),
+    ("geglu-noprobs-e1", 150, 128, 128, 1, "geglu", True, False, "balanced", 9, True, True, (), "E4M3"),
+    ("swiglu-hbf16", 300, 256, 128, 3, "swiglu", True, True, "zipf", 4, False, True, (), "E4M3"),
+    ("gelu-frozen-x-probs", 170, 128, 128, 3, "gelu", True, True, "empty", 2, True, True, ("x", "probs"), "E4M3"),
+    ("silu-allpad", 64, 128, 128, 3, "silu", True, True, "balanced", 64, True, True, (), "E4M3"),
+    ("swiglu-T0", 0, 128, 128, 2, "swiglu", True, True, "balanced", 0, True, True, (), "E4M3"),
+    ("swiglu-hybrid-e5m2-grads", 260, 256, 128, 3, "swiglu", True, True, "zipf", 3, True, True, (), "HYBRID"),
+]
+
+
+# --- 1. E8M0 codec --------------------------------------------------------------------------------
+
+_KERNELS = {}
+e8m0_encode = e8m0_to_float = mx_scale = mx_dequant_scale = None  # bound by _codec_kernel() (jit reads globals)
+
+
+def _codec_kernel():
+    if "codec" not in _KERNELS:
+        import triton
+        import triton.language as tl
+
+        from te_fused_moe.backends.triton.mxfp8 import codec
+
+        globals().update(e8m0_encode=codec.e8m0_encode, e8m0_to_float=codec.e8m0_to_float, mx_scale=codec.mx_scale,
+                         mx_dequant_scale=codec.mx_dequant_scale)
+
+        @triton.jit
+        def codec_kernel(v_ptr, enc_ptr, code_ptr, dec_ptr, rcp_ptr, deq_ptr, sc_ptr, mult_ptr, n,
+                         MAX_NORM_RCP: tl.constexpr, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n
+            v = tl.load(v_ptr + offs, mask=ok, other=0.0)
+            tl.store(enc_ptr + offs, e8m0_encode(v), mask=ok)
+            c = tl.load(code_ptr + offs, mask=ok, other=0)
+            tl.store(dec_ptr + offs, e8m0_to_float(c, False), mask=ok)
+            tl.store(rcp_ptr + offs, e8m0_to_float(c, True), mask=ok)
+            tl.store(deq_ptr + offs, mx_dequant_scale(c), mask=ok)
+            a = tl.where(v == v, v, 0.0)  # amax is NaN-free
+            sc, mult = mx_scale(a, MAX_NORM_RCP)
+            tl.store(sc_ptr + offs, sc, mask=ok)
+            tl.store(mult_ptr + offs, mult, mask=ok)
+
+        _KERNELS["codec"] = codec_kernel
+    return _KERNELS["codec"]
+
+
+def _e8m0_edge_values() -> torch.Tensor:
+    """Non-negative FP32 values where E8M0's round-up decides: 0, subnormals around 2^-127 (bit 22),
+    every power of two and one ulp either side, the largest finite, Inf, NaN."""
+    powers = torch.ldexp(torch.ones(277, dtype=torch.float64), torch.arange(-149, 128)).float()
+    bits = powers.view(torch.int32)
+    near = torch.cat([(bits + 1).view(torch.float32), (bits - 1).view(torch.float32)])
+    sub = torch.tensor([0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF, 1, 2], dtype=torch.int32).view(torch.float32)
+    specials = torch.tensor([0.0, float("inf"), float("nan"), torch.finfo(torch.float32).max,
+                             torch.finfo(torch.float32).tiny])
+    out = torch.cat([powers, near, sub, specials])
+    return out[(out >= 0) | torch.isnan(out)]
+
+
+def check_codec(device: str, seed: int = 0) -> dict:
+    """Mismatches of the E8M0 device functions vs te_fused_moe.quantize.formats."""
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec
+    from te_fused_moe.quantize import formats
+
+    g = torch.Generator().manual_seed(seed)
+    rand = torch.randint(0, 2**31 - 1, (40000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    v = torch.cat([_e8m0_edge_values(), rand]).contiguous()
+    n = v.numel()
+    codes = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
+    out = {"n": n}
+    for fmt in ("e4m3", "e5m2"):
+        spec = MXSpec.of(fmt)
+        bufs = [torch.empty(n, dtype=dt, device=device) for dt in (torch.uint8, torch.float32, torch.float32,
+                                                                     torch.float32, torch.uint8, torch.float32)]
+        enc, dec, rcp, deq, sc, mult = bufs
+        _codec_kernel()[(math.ceil(n / 1024),)](v.to(device), enc, codes.to(device), dec, rcp, deq, sc, mult, n,
+                                                MAX_NORM_RCP=spec.constexprs()["MAX_NORM_RCP"], BLOCK=1024)
+        bits = lambda t: t.cpu().contiguous().view(torch.int32)
+        amax = torch.where(torch.isnan(v), torch.zeros_like(v), v)  # NaN skipped, Inf kept (nan_ignoring_amax)
+        ref_sc = formats.e8m0_encode(amax * torch.full((), 1.0 / spec.max_value, dtype=torch.float32))
+        finite = codes != 255
+        out[fmt] = {
+            "encode": int((enc.cpu() != formats.e8m0_encode(v)).sum()),
+            "decode": int((bits(dec) != bits(formats.e8m0_decode(codes))).sum()),
+            "reciprocal": int((bits(rcp) != bits(formats.e8m0_reciprocal(codes))).sum()),
+            "dequant_scale": int((bits(deq)[finite] != bits(formats.e8m0_decode(codes))[finite]).sum()),
+            "scale": int((sc.cpu() != ref_sc).sum()),
+            "multiplier": int((bits(mult) != bits(formats.e8m0_reciprocal(ref_sc))).sum()),
+        }
+    return out
+
+
+# --- 2. quantize kernels ---------------------------------------------------------------------------
+
+def _nasty(t: torch.Tensor) -> torch.Tensor:
+    """Rows of NaN, Inf, zeros and tiny values, and a wide dynamic range across rows."""
+    t = t * torch.exp(torch.randn(t.shape[0], 1, device=t.device) * 3).to(t.dtype)
+    t[3, 7] = float("nan")
+    t[4, :] = 0
+    t[5, 3] = float("inf")
+    t[6, :] = 1e-30
+    t[7, 1] = -float("inf")
+    t[8, 40:72] = 1e-39 if t.dtype == torch.float32 else 1e-30  # a block near E8M0's bottom
+    return t
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _poisoned(t):
+    """NaN everywhere (FP8: the NaN code 0x7F; uint8 scales: 0xFF, E8M0's NaN)."""
+    if t.dtype in FP8_DTYPES:
+        t.view(torch.uint8).fill_(0x7F)
+        return t
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0xFF)
+
+
+def _poison_alloc(*a, **k):
+    return _poisoned(torch.empty(*a, **k))
+
+
+def _diff8(a, b) -> int:
+    return int((a.cpu().contiguous().view(torch.uint8) != b.cpu().contiguous().view(torch.uint8)).sum())
+
+
+def check_quantize_kernels(device: str, seed: int = 0) -> dict:
+    from moe_reference import make_counts
+
+    from te_fused_moe.backends.triton.mxfp8 import quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule, schedule_table
+    from te_fused_moe.quantize import mxfp8 as ref
+
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    out = {}
+    for dtype, fmt, routing, T, K in (
+        (torch.bfloat16, "e4m3", "empty", 300, 256),
+        (torch.float32, "e4m3", "one", 200, 128),
+        (torch.bfloat16, "e5m2", "zipf", 257, 384),
+    ):
+        spec = Q.MXSpec.of(fmt)
+        x = _nasty(torch.randn(T, K, generator=g).to(dtype)).to(device)
+        E = 4
+        counts = make_counts(T, E, routing, generator=g, padding=11).to(device)
+        sched = build_schedule(counts, T, 128)
+        q = Q.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, alloc=_poison_alloc)
+        xr = x.cpu()
+        r = ref.quantize(xr, axis=1, fp8_format=fmt)
+        bad = {"row_data": _diff8(q.data, r.data), "row_scale": _diff8(q.scale, r.scale), "col_data": 0,
+               "col_scale": 0, "col_tail_nonzero": 0}
+        tab = schedule_table(sched, E).cpu()
+        for grp in range(E + 1):
+            ts, te_, rs, re_ = (int(v) for v in tab[:, grp])
+            if re_ == rs:
+                continue
+            rc = ref.quantize(xr[rs:re_], axis=0, fp8_format=fmt)
+            bad["col_data"] += _diff8(Q.expert_columns(q.data_t, ts, re_ - rs).T, rc.data)
+            bad["col_scale"] += _diff8(Q.expert_col_scales(q.scale_t, ts, re_ - rs), rc.scale)
+            # the slot's columns past the group's end are zero codes (the wgrad reads whole blocks)
+            tail = q.data_t[:, 128 * ts + (re_ - rs): 128 * te_].cpu().view(torch.uint8)
+            bad["col_tail_nonzero"] += int((tail != 0).sum())
+        w = _nasty(torch.randn(3 * 256, K, generator=g).to(dtype)).reshape(3, 256, K).to(device)
+        qw = Q.quantize_weight(w, spec, alloc=_poison_alloc)
+        bad.update(w_data=0, w_scale=0, w_data_t=0, w_scale_t=0)
+        for e in range(3):
+            rw = ref.quantize(w[e].cpu(), axis=1, fp8_format=fmt)
+            rt = ref.quantize(w[e].cpu(), axis=0, fp8_format=fmt)
+            bad["w_data"] += _diff8(qw.data[e], rw.data)
+            bad["w_scale"] += _diff8(qw.scale[e], rw.scale)
+            bad["w_data_t"] += _diff8(qw.data_t[e].T, rt.data)
+            bad["w_scale_t"] += _diff8(qw.scale_t[e].T, rt.scale)
+        out[f"{dtype}-{fmt}-{routing}-T{T}-K{K}"] = bad
+    return out
+
+
+def check_weight_cache(device: str) -> dict:
+    """Quantized once per optimizer step: micro-batches reuse the copy; an in-place update or an
+    optimizer step refreshes it (fp8_block's cache rules, MXFP8 copies)."""
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec, MXWeightCache
+    from te_fused_moe.quantize import mxfp8 as ref
+
+    cache = MXWeightCache()
+    spec = MXSpec()
+    w = torch.nn.Parameter(torch.randn(2, 256, 128, device=device, dtype=torch.bfloat16))
+    first = cache.get(w, spec)
+    again = [cache.get(w, spec) for _ in range(3)]
+    same_object = all(q is first for q in again)
+    misses_before = cache.misses
+    with torch.no_grad():
+        w.add_(1.0)
+    fresh = cache.get(w, spec)
+    rw = ref.quantize(w[1].detach().cpu(), axis=0)
+    out = dict(same_object=same_object, misses_before=misses_before, misses_after=cache.misses,
+               refreshed=fresh is not first, fresh_bad=_diff8(fresh.data_t[1].T, rw.data), nbytes=cache.nbytes,
+               expected_nbytes=2 * w.numel() + 2 * w.numel() // 32)
+    other = torch.nn.Parameter(torch.ones(1, device=device))
+    opt = torch.optim.SGD([other], lr=0.1)
+    other.grad = torch.ones_like(other)
+    w.data.copy_(w.data * 2)
+    out["stale_without_step"] = cache.get(w, spec) is fresh
+    opt.step()
+    after_step = cache.get(w, spec)
+    rw = ref.quantize(w[1].detach().cpu(), axis=1)
+    out["refreshed_after_step"] = after_step is not fresh and _diff8(after_step.data[1], rw.data) == 0
+    out["hit_after_step"] = cache.get(w, spec) is after_step
+    cache._hook.remove()
+    return out
+
+
+# --- 3. every kernel bit-exact on integer data ------------------------------------------------------
+
+def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
+                        T: int = 300, H: int = 256) -> dict:
+    """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
+    3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
+    FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
+    multiplies that PyTorch reproduces bit for bit. ``fmt`` is the format of a, dy and dh."""
+    from moe_reference import make_counts
+
+    from te_fused_moe.backends.triton.fp8_block.wgrad import tile_sums_to_experts
+    from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
+    from te_fused_moe.backends.triton.mxfp8.autograd import new_rows
+    from te_fused_moe.backends.triton.mxfp8.wgrad import mx_grouped_wgrad
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles, schedule_table
+    from te_fused_moe.quantize import mxfp8 as ref
+
+    gemm.USE_TMA_DEFAULT = use_tma
+    g = torch.Generator().manual_seed(seed)
+    F, E, n1 = 128, 3, 128
+    ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()
+    x, w1, w2, dy = ints(T, H), ints(E, n1, H), ints(E, H, F), ints(T, H)
+    probs = torch.rand(T, generator=g) + 0.5
+    counts = make_counts(T, E, "empty", generator=g, padding=6)
+    d = lambda t, dt=torch.bfloat16: t.to(device=device, dtype=dt).contiguous()
+    wspec, spec = Q.MXSpec(), Q.MXSpec.of(fmt)
+    sched = build_schedule(d(counts, torch.int64), T, 128)
+    tiles = max_m_tiles(T, E, 128)
+    xq = Q.quantize_rows(d(x), sched, E, wspec, rowwise=True, colwise=True, alloc=_poison_alloc)
+    w1q, w2q = Q.quantize_weight(d(w1), wspec), Q.quantize_weight(d(w2), wspec)
+    h = _poisoned(torch.empty(T, n1, device=device))
+    aq = new_rows(T, F, h, spec, E, True, True, alloc=_poison_alloc)
+    p = d(probs, torch.float32)
+    gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, probs=p,
+                activation="srelu", gated=False)
+    y = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
+    gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, wspec, c=y)
+    dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=_poison_alloc)
+    dhq = new_rows(T, n1, h, spec, E, True, True, alloc=_poison_alloc)
+    dprob = _poisoned(torch.empty(F // 128, T, device=device))
+    dbias = _poisoned(torch.empty(tiles, n1, device=device))
+    gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, h=h, probs=p,
+                dprob=dprob, dbias=dbias, activation="srelu", gated=False)
+    dx = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
+    gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
+    dw1 = _poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
+    dw2 = _poisoned(torch.empty(E, H, F, device=device, dtype=torch.bfloat16))
+    mx_grouped_wgrad(dyq, aq, sched, dw2)
+    mx_grouped_wgrad(dhq, xq, sched, dw1)
+    db1 = _poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
+    tile_sums_to_experts(dbias, sched, db1)
+    gemm.USE_TMA_DEFAULT = True
+
+    tab = schedule_table(sched, E).cpu()
+    bad = {k: 0 for k in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob")}
+    h_ref = torch.zeros(T, n1)
+    da_ref = torch.zeros(T, F)
+    for e in range(E):
+        rs, re_ = int(tab[2, e]), int(tab[3, e])
+        h_ref[rs:re_] = (x[rs:re_].double() @ w1[e].double().T).float()
+        da_ref[rs:re_] = (dy[rs:re_].double() @ w2[e].double()).float()
+    hc = h.cpu()
+    routed = int(tab[3, E - 1])
+    bad["h"] = int((hc[:routed] != h_ref[:routed]).sum())
+    r = torch.relu(hc)
+    a32 = (r * r) * probs[:, None]
+    a32[routed:] = 0
+    dg32 = (da_ref * probs[:, None]) * 2.0 * r
+    dg32[routed:] = 0
+    qz = lambda t, axis: ref.quantize(t, axis=axis, fp8_format=fmt)
+    ra, rdh = qz(a32, 1), qz(dg32, 1)
+    bad["a_row"] = _diff8(aq.data, ra.data) + _diff8(aq.scale, ra.scale)
+    bad["dh_row"] = _diff8(dhq.data, rdh.data) + _diff8(dhq.scale, rdh.scale)
+    deq = lambda q: ref.dequantize(q, torch.float64)
+
+    def far(out, a, b):
+        exact, bound = a @ b, a.abs() @ b.abs()
+        return int(((out.cpu().double() - exact).abs() > 2.0**-8 * exact.abs() + 2.0**-12 * bound).sum())
+
+    for grp in range(E + 1):
+        ts, te_, rs, re_ = (int(v) for v in tab[:, grp])
+        if re_ == rs:
+            continue
+        rc = qz(a32[rs:re_], 0)
+        bad["a_col"] += (_diff8(Q.expert_columns(aq.data_t, ts, re_ - rs).T, rc.data)
+                         + _diff8(Q.expert_col_scales(aq.scale_t, ts, re_ - rs), rc.scale))
+        rc = qz(dg32[rs:re_], 0)
+        bad["dh_col"] += (_diff8(Q.expert_columns(dhq.data_t, ts, re_ - rs).T, rc.data)
+                          + _diff8(Q.expert_col_scales(dhq.scale_t, ts, re_ - rs), rc.scale))
+        if grp == E:
+            continue
+        bad["y"] += far(y[rs:re_], deq(qz(a32[rs:re_], 1)), w2[grp].double().T)
+        bad["dx"] += far(dx[rs:re_], deq(qz(dg32[rs:re_], 1)), w1[grp].double())
+        bad["dw2"] += far(dw2[grp], dy[rs:re_].double().T, deq(qz(a32[rs:re_], 0)))
+        bad["dw1"] += far(dw1[grp], deq(qz(dg32[rs:re_], 0)).T, x[rs:re_].double())
+    for e in range(E):
+        rs, re_ = int(tab[2, e]), int(tab[3, e])
+        if re_ == rs:  # experts without tokens: exact zeros
+            bad["dw1"] += int((dw1[e].cpu() != 0).sum())
+            bad["dw2"] += int((dw2[e].cpu() != 0).sum())
+        db1_ref = dg32[rs:re_].double().sum(0)
+        bad["db1"] += int(((db1[e].cpu().double() - db1_ref).abs() > 1e-6 * dg32.abs().sum(0).double() + 1e-30).sum())
+    bad["y"] += int((y[routed:].cpu() != 0).sum()) + int(torch.isnan(y).sum())
+    bad["dx"] += int((dx[routed:].cpu() != 0).sum()) + int(torch.isnan(dx).sum())
+    act_h = r * r
+    dprob_ref = (da_ref.double() * act_h.double()).sum(1)
+    dprob_ref[routed:] = 0
+    bound = 1e-6 * (da_ref.double().abs() * act_h.double().abs()).sum(1)
+    bad["dprob"] = int(((dprob.cpu().double().sum(0) - dprob_ref).abs() > bound).sum())
+    bad["routed"] = routed
+    bad["counts"] = counts.tolist()
+    return bad
+
+
+# --- 4. the whole MLP vs the reference backend ----------------------------------------------------
+
+def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_context=None) -> dict:
+    """Forward + backward of the Triton MXFP8 path and of the reference backend on the same random
+    problem; ``triton_context`` (a context-manager factory) wraps the Triton call only."""
+    import contextlib
+
+    from fake_quant_reference import quantized_expert_mlp_fp64
+    from moe_reference import random_problem, rel_err
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton.mxfp8 import autograd as fa, gemm
+    from te_fused_moe.recipes import Format, MXFP8BlockScaling
+
+    case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, tma, frozen, fmt = case
+    fa.H_DTYPE = torch.float32 if h_fp32 else None
+    gemm.USE_TMA_DEFAULT = tma
+    fa.ALLOC = _poison_alloc if poison else torch.empty
+    recipe = MXFP8BlockScaling(fp8_format=Format[fmt])
+    p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
+                       routing=routing, padding=padding, seed=seed)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
+    outs = {}
+    try:
+        for backend in ("triton", "reference"):
+            leaves = {k: (p[k].clone().requires_grad_(k not in frozen) if (k in GRADS and p[k] is not None) else p[k])
+                      for k in p}
+            ctx = triton_context() if (triton_context is not None and backend == "triton") else contextlib.nullcontext()
+            with ctx:
+                y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation=act,
+                                  recipe=recipe, b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"],
+                                  backend=backend)
+                y.backward(dy)
+            outs[backend] = {"y": y.detach()}
+            for k in GRADS:
+                if leaves[k] is not None and k not in frozen:
+                    outs[backend][k] = leaves[k].grad
+    finally:
+        fa.H_DTYPE, fa.ALLOC, gemm.USE_TMA_DEFAULT = None, torch.empty, True
+    res = {"err": {}, "far": {}, "nan": {}, "fp64": {}}
+    for k, ref in outs["reference"].items():
+        got = outs["triton"].get(k)
+        if got is None:
+            res["err"][k] = float("nan")
+            continue
+        res["err"][k] = rel_err(got, ref)
+        diff = (got.double() - ref.double()).abs().cpu()
+        scale = ref.double().abs().max().item() if ref.numel() else 0.0
+        res["far"][k] = float((diff > 1e-3 * scale).double().mean()) if ref.numel() else 0.0
+        res["nan"][k] = int(torch.isnan(got).sum())
+    truth = quantized_expert_mlp_fp64(**{k: p[k] for k in ("x", "tokens_per_expert", "w1", "w2", "b1", "b2", "probs")},
+                                      recipe=recipe, activation=act, dy=dy)
+    for k in outs["triton"]:
+        res["fp64"][k] = rel_err(outs["triton"][k], truth[k])
+    routed = int(p["tokens_per_expert"].sum())
+    zero = {"y_pad": outs["triton"]["y"][routed:]}
+    if "x" in outs["triton"]:
+        zero["dx_pad"] = outs["triton"]["x"][routed:]
+    empty = [e for e, c in enumerate(p["tokens_per_expert"].tolist()) if c == 0]
+    for k in ("w1", "w2", "b1", "b2"):
+        if k in outs["triton"] and empty:
+            zero[f"d{k}_empty"] = outs["triton"][k][empty]
+    res["nonzero"] = {k: int((v != 0).sum()) + int(torch.isnan(v).sum()) for k, v in zero.items()}
+    res["grads"] = sorted(outs["triton"])
+    return res
+
+
+# --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
+
+def check_dispatch(device: str) -> dict:
+    """fused_moe_mlp(backend='triton') with MXFP8 takes the MXFP8 path; shapes it refuses raise with
+    the argument named, and backend='auto' falls back to the reference for them."""
+    import warnings
+
+    from moe_reference import random_problem
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton.mxfp8 import autograd as fa
+    from te_fused_moe.recipes import MXFP8BlockScaling
+
+    out = {}
+    for name, (H, F) in {"hidden": (96, 128), "ffn": (128, 160)}.items():
+        p = random_problem(64, H, F, 2, dtype=torch.bfloat16, device=device, seed=3)
+        try:
+            fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], recipe=MXFP8BlockScaling(), backend="triton")
+            out[f"refused_{name}"] = ""
+        except ValueError as exc:
+            out[f"refused_{name}"] = str(exc)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], recipe=MXFP8BlockScaling(),
+                              backend="auto")
+        ref = fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], recipe=MXFP8BlockScaling(),
+                            backend="reference")
+        out[f"auto_equals_reference_{name}"] = bool(torch.equal(y, ref))
+    # a supported shape really runs the MXFP8 kernels (the autograd node is ours)
+    p = random_problem(64, 128, 128, 2, dtype=torch.bfloat16, device=device, seed=4)
+    y = fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"].requires_grad_(True), p["w2"], recipe="mxfp8",
+                      backend="triton")
+    out["node"] = type(y.grad_fn).__name__
+    out["expected_node"] = fa.TritonMXFP8ExpertMLP.__name__ + "Backward"
+    return out
+
+
+def check_bench_baseline(device: str) -> dict:
+    """The benchmark's unfused MXFP8 baseline computes the same recipe as the fused path, up to
+    rounding ``a`` and ``dh`` to BF16 before their quantize kernels (which moves a few FP8 codes)."""
+    from moe_reference import random_problem, rel_err
+
+    from te_fused_moe import bench_mxfp8
+
+    p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, routing="empty", padding=0, seed=2)
+    p["tokens_per_expert"][-1] += p["x"].shape[0] - int(p["tokens_per_expert"].sum())  # the bench routes every row
+    outs = {}
+    for name in ("mxfp8_unfused", "mxfp8_fused"):
+        x, w1, w2 = (p[k].clone().requires_grad_(True) for k in ("x", "w1", "w2"))
+        y = getattr(bench_mxfp8, name)(x, p["tokens_per_expert"], w1, w2, "swiglu")
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=y.dtype))
+        outs[name] = {"y": y, "x": x.grad, "w1": w1.grad, "w2": w2.grad}
+    return {k: rel_err(outs["mxfp8_unfused"][k], outs["mxfp8_fused"][k]) for k in outs["mxfp8_fused"]}
+
+
+def _worker() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    results = {
+        "codec": check_codec("cpu"),
+        "quantize": check_quantize_kernels("cpu"),
+        "cache": check_weight_cache("cpu"),
+        "exact": check_kernels_exact("cpu"),
+        "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
+        "dispatch": check_dispatch("cpu"),
+        "bench_baseline": check_bench_baseline("cpu"),
+        "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
+    }
+    print("RESULTS" + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_in_triton_interpreter("import test_triton_mxfp8_interpreter as t; t._worker()")
+
+
+def test_e8m0_codec_is_bit_exact(results):
+    c = results["codec"]
+    assert c["n"] > 40000
+    for fmt in ("e4m3", "e5m2"):
+        assert all(v == 0 for v in c[fmt].values()), (fmt, c[fmt])
+
+
+def test_quantize_kernels_are_bit_exact(results):
+    assert len(results["quantize"]) == 3
+    for key, bad in results["quantize"].items():
+        assert all(v == 0 for v in bad.values()), (key, bad)
+
+
+def test_weight_cache_refreshes_once_per_step(results):
+    c = results["cache"]
+    assert c["same_object"] and c["misses_before"] == 1, c
+    assert c["refreshed"] and c["misses_after"] == 2 and c["fresh_bad"] == 0, c
+    assert c["nbytes"] == c["expected_nbytes"], c
+    assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
+
+
+@pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2"])
+def test_every_kernel_bit_exact_on_integer_data(results, key):
+    bad = results[key]
+    assert 0 < bad["routed"] < 300, bad  # padding rows covered
+    if key == "exact":
+        assert 0 in bad["counts"], bad  # and experts without tokens
+    for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
+        assert bad[name] == 0, (name, bad)
+
+
+def test_dispatch_refuses_shapes_and_auto_falls_back(results):
+    d = results["dispatch"]
+    assert "w1: backend='triton' with MXFP8BlockScaling needs the hidden size to be a multiple of 128, got 96" in \
+        d["refused_hidden"], d
+    assert "w2: backend='triton' with MXFP8BlockScaling needs the FFN size to be a multiple of 128, got 160" in \
+        d["refused_ffn"], d
+    assert d["auto_equals_reference_hidden"] and d["auto_equals_reference_ffn"], d
+    assert d["node"] == d["expected_node"], d
+
+
+def test_bench_unfused_baseline_is_the_same_recipe(results):
+    errs = results["bench_baseline"]
+    assert set(errs) == {"y", "x", "w1", "w2"}
+    assert all(0 < e < 5e-2 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("case", MLP_CASES, ids=[c[0] for c in MLP_CASES])
+def test_mlp_matches_reference_emulation(results, case):
+    res = results["mlp"][case[0]]
+    frozen, bias, probs, h_fp32 = case[12], case[6], case[7], case[10]
+    expected = {"y", "x", "w1", "w2"} | ({"b1", "b2"} if bias else set()) | ({"probs"} if probs else set())
+    assert set(res["grads"]) == expected - set(frozen)
+    bound = TIGHT if h_fp32 else LOOSE
+    for name, err in res["err"].items():
+        assert res["nan"][name] == 0, (case[0], name, res)
+        assert err <= bound, f"{case[0]}: {name} rel. error vs reference {err:.3g} > {bound}"
+        if h_fp32:
+            assert res["far"][name] <= 0.01, (case[0], name, res["far"])
+        assert res["fp64"][name] <= FP64_BOUND, f"{case[0]}: {name} rel. error vs FP64 {res['fp64'][name]:.3g}"
+    for name, bad in res["nonzero"].items():
+        assert bad == 0, (case[0], name, res["nonzero"])
+
+
+def test_supports_names_the_recipe_subset():
+    """MXFP8 E4M3 and HYBRID are taken; a recipe outside that (only constructible by bypassing the
+    recipe's own check) is refused naming fp8_format; NVFP4 stays 'planned'; bad dtypes are named."""
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.backends import get_backend
+    from te_fused_moe.recipes import Format, MXFP8BlockScaling, as_recipe
+
+    backend = get_backend("triton")
+    act = ActivationConfig("swiglu")
+    assert backend.supports(act, MXFP8BlockScaling(), torch.bfloat16)
+    assert backend.supports(act, MXFP8BlockScaling(fp8_format=Format.HYBRID), torch.bfloat16)
+    assert backend.supports(act, as_recipe("mxfp8"), torch.float16)
+    odd = MXFP8BlockScaling()
+    object.__setattr__(odd, "fp8_format", Format.E5M2)
+    verdict = backend.supports(act, odd, torch.bfloat16)
+    assert not verdict and "MXFP8BlockScaling with fp8_format=E4M3 or HYBRID" in verdict.reason, verdict
+    assert "fp8_format=E5M2" in verdict.reason, verdict
+    verdict = backend.supports(act, as_recipe("nvfp4"), torch.bfloat16)
+    assert not verdict and "planned" in verdict.reason and "nvfp4" in verdict.reason, verdict
+    verdict = backend.supports(act, MXFP8BlockScaling(), torch.float32)
+    assert not verdict and "bfloat16 or float16" in verdict.reason, verdict
+
+
+def test_recipe_and_kernel_arguments_are_validated():
+    """Errors name the argument and what was expected (no kernel runs: these are host checks)."""
+    from te_fused_moe.backends.triton.mxfp8 import gemm
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec, quantize_rows, quantize_weight
+    from te_fused_moe.recipes import Format, MXFP8BlockScaling
+
+    with pytest.raises(ValueError, match="fp8_format must be Format.E4M3 or Format.HYBRID"):
+        MXFP8BlockScaling(fp8_format=Format.E5M2)
+    with pytest.raises(ValueError, match="fmt: expected 'e4m3' or 'e5m2', got 'e2m1'"):
+        MXSpec.of("e2m1")
+    with pytest.raises(ValueError, match="x: the MXFP8 quantize kernel needs a width that is a multiple of 128, got 96"):
+        quantize_rows(torch.randn(4, 96), torch.zeros(20, dtype=torch.int32), 1, MXSpec())
+    with pytest.raises(ValueError, match=r"x: expected unit stride"):
+        quantize_rows(torch.randn(128, 4).t(), torch.zeros(20, dtype=torch.int32), 1, MXSpec())
+    with pytest.raises(ValueError, match=r"w: the MXFP8 weight quantizer needs both sizes to be multiples of 128"):
+        quantize_weight(torch.randn(2, 128, 96), MXSpec())
+    with pytest.raises(ValueError, match=r"w: expected \[E, N, K\]"):
+        quantize_weight(torch.randn(128, 128), MXSpec())
+    with pytest.raises(ValueError, match="kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got 'fc3'"):
+        gemm.default_config("fc3")
+
+
+def test_triton_refuses_unsupported_shape_on_meta_tensors():
+    """The shape check runs before any kernel: backend='triton' names w1/w2 (meta tensors, no data)."""
+    from te_fused_moe.backends import ExpertMLPArgs  # noqa: F401  (the argument record the check reads)
+    from te_fused_moe.backends.triton.mxfp8.autograd import check_shapes
+
+    assert check_shapes(256, 384) is None
+    assert "w1:" in check_shapes(200, 128) and "got 200" in check_shapes(200, 128)
+    assert "w2:" in check_shapes(128, 100) and "got 100" in check_shapes(128, 100)
+
+
+if __name__ == "__main__":
+    _worker()
