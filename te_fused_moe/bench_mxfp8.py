@@ -106,7 +106,7 @@ def mxfp8_kernels(shape, inputs) -> Dict[str, Dict[str, float]]:
     dhq = new_rows(T, n1, x, spec, E, True, True, alloc=torch.empty)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    dprob = torch.empty(F // TILE, T, device=x.device, dtype=torch.float32)
+    dprob = torch.empty(F // gemm.default_config("dact").block_n, T, device=x.device, dtype=torch.float32)
     probs = torch.rand(T, device=x.device) + 0.05
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
                 b_up_rows=F, **kw)

@@ -268,11 +268,14 @@ def check_weight_cache(device: str) -> dict:
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
-                        T: int = 300, H: int = 256) -> dict:
+                        T: int = 300, H: int = 256, epilogue=None) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
-    multiplies that PyTorch reproduces bit for bit. ``fmt`` is the format of a, dy and dh."""
+    multiplies that PyTorch reproduces bit for bit. ``fmt`` is the format of a, dy and dh;
+    ``epilogue``: overrides of the FC1 / dGLU GEMM config (e.g. ``block_n=128, split_epilogue=False``)."""
+    import dataclasses
+
     from moe_reference import make_counts
 
     from te_fused_moe.backends.triton.fp8_block.wgrad import tile_sums_to_experts
@@ -298,16 +301,17 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     h = _poisoned(torch.empty(T, n1, device=device))
     aq = new_rows(T, F, h, spec, E, True, True, alloc=_poison_alloc)
     p = d(probs, torch.float32)
+    cfg = dataclasses.replace(gemm.default_config("fc1"), **(epilogue or {}))
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, probs=p,
-                activation="srelu", gated=False)
+                activation="srelu", gated=False, config=cfg)
     y = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, wspec, c=y)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=_poison_alloc)
     dhq = new_rows(T, n1, h, spec, E, True, True, alloc=_poison_alloc)
-    dprob = _poisoned(torch.empty(F // 128, T, device=device))
+    dprob = _poisoned(torch.empty(F // cfg.block_n, T, device=device))
     dbias = _poisoned(torch.empty(tiles, n1, device=device))
     gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, h=h, probs=p,
-                dprob=dprob, dbias=dbias, activation="srelu", gated=False)
+                dprob=dprob, dbias=dbias, activation="srelu", gated=False, config=cfg)
     dx = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
     dw1 = _poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
@@ -510,6 +514,8 @@ def _worker() -> None:
         "cache": check_weight_cache("cpu"),
         "exact": check_kernels_exact("cpu"),
         "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
+        "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
+                                                   epilogue=dict(block_n=128, split_epilogue=False)),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -543,7 +549,7 @@ def test_weight_cache_refreshes_once_per_step(results):
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2"])
+@pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered

@@ -57,10 +57,12 @@ def test_weight_cache_on_gpu():
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("tma,seed,fmt", [(True, 0, "e4m3"), (True, 1, "e4m3"), (False, 0, "e4m3"), (True, 2, "e5m2")],
-                         ids=["tma-empty", "tma", "ptr-empty", "tma-e5m2"])
-def test_every_kernel_exact_on_integer_data_gpu(tma, seed, fmt):
-    bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma, fmt=fmt)
+@pytest.mark.parametrize("tma,seed,fmt,epilogue", [(True, 0, "e4m3", None), (True, 1, "e4m3", None),
+                                                   (False, 0, "e4m3", None), (True, 2, "e5m2", None),
+                                                   (True, 3, "e4m3", dict(block_n=128, split_epilogue=False))],
+                         ids=["tma-empty", "tma", "ptr-empty", "tma-e5m2", "bn128-unsplit"])
+def test_every_kernel_exact_on_integer_data_gpu(tma, seed, fmt, epilogue):
+    bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma, fmt=fmt, epilogue=epilogue)
     print("MXFP8_EXACT", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)

@@ -117,11 +117,12 @@ class TritonMXFP8ExpertMLP(torch.autograd.Function):
         dhq = None
         if need_dact:
             dhq = new_rows(num_rows, n1, like, spec, num_experts, rowwise=need[0], colwise=need[2])
-            dprob_buf = _new((ffn // TILE, num_rows), like, torch.float32) if want_dprob else None
+            cfg = gemm.default_config("dact")
+            dprob_buf = _new((ffn // cfg.block_n, num_rows), like, torch.float32) if want_dprob else None
             dbias_buf = _new((m_tiles, n1), like, torch.float32) if need[4] else None
             gemm.launch("dact", dyq.data, dyq.scale, ctx.w2q.data_t, ctx.w2q.scale_t, ffn, schedule, num_experts,
                         spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
-                        dbias=dbias_buf, **ctx.act)
+                        dbias=dbias_buf, config=cfg, **ctx.act)
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
             if need[4]:

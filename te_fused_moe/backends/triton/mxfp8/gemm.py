@@ -17,7 +17,7 @@ Modes (``MODE``), as in ``fp8_block.gemm``:
   2F: FC1 dgrad) and columnwise (w1's wgrad); ``dprob`` partial row sums of ``da * act(h)`` (one
   per N tile) and, with ``WRITE_DBIAS``, per-tile column sums of the FP32 ``dh`` (``db1``).
 
-The quantizing modes need ``BM = BN = 128`` and tiles that start at each expert's first row (the
+The quantizing modes need ``BM = 128``, ``BN`` 64 or 128 and tiles that start at each expert's first row (the
 schedule with ``block_m = 128``): a tile's rows then hold four whole 32-token blocks of one expert.
 Quantized outputs are bit-exact with :mod:`te_fused_moe.quantize.mxfp8` on the same FP32 values.
 
@@ -51,15 +51,22 @@ class MXGemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    split_epilogue: bool = True  # FC1 / dGLU epilogues in two independent 64-column halves (register pressure)
 
 
 def default_config(kind: str) -> MXGemmConfig:
-    """BM = 128 always (four 32-token blocks of one expert per tile), BK = 32 (one scale block per step)."""
+    """BM = 128 always (four 32-token blocks of one expert per tile), BK = 32 (one scale block per step).
+
+    FC1 / dGLU: BN = 64. The promotion keeps the FP32 accumulator and the dot's fresh result live
+    together (two of each for gated FC1): at BN = 128 gated FC1 reloads spilled registers inside its
+    K loop (sm_90a ptxas, offline build: 114 LDL per step) and the dGLU epilogue spills ~550 values;
+    at BN = 64 neither K loop spills. FC2 / FC1 dgrad: BN = 128 (241 registers, no spills)."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
+    block_n = 64 if kind in ("fc1", "dact") else 128
     if interpreting():
-        return MXGemmConfig(group_m=2, num_warps=4, num_stages=1)
-    return MXGemmConfig()
+        return MXGemmConfig(block_n=block_n, group_m=2, num_warps=4, num_stages=1)
+    return MXGemmConfig(block_n=block_n)
 
 
 @triton.jit
@@ -87,6 +94,68 @@ def _store_mx(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qs
 
 
 @triton.jit
+def _fc1_part(acc, acc_up, cols, rows64, row_ok, N, p, expert, is_padding, tile, group, NUM_GROUPS, h_ptr, stride_hm,
+              h_up_offset, bias_ptr, stride_bias_e, bias_up_offset, alpha, limit, q_ptr, stride_qm, qs_ptr, stride_qsm,
+              stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ACT: tl.constexpr, GATED: tl.constexpr,
+              HAS_BIAS: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, UPCAST: tl.constexpr,
+              MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr):
+    """FC1 epilogue of a block of columns: + b1, h saved, a = act(h) * p quantized (rowwise + columnwise)."""
+    col_ok = cols < N
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    bias_mask = col_ok & (group < NUM_GROUPS - 1)
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + expert * stride_bias_e + bias_up_offset + cols, mask=bias_mask,
+                              other=0.0).to(tl.float32)[None, :]
+    tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+    if GATED:
+        tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        value = act_forward(acc, acc_up, alpha, limit, ACT)
+    else:
+        value = act_forward(acc, acc, alpha, limit, ACT)
+    value = tl.where(is_padding, 0.0, value * p[:, None])
+    _store_mx(value, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+              qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
+
+
+@triton.jit
+def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_hm, h_up_offset, alpha, limit,
+               dbias_ptr, stride_dbias_t, q_up_offset, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
+               stride_qtn, qts_ptr, stride_qtsb, ACT: tl.constexpr, GATED: tl.constexpr, WRITE_DBIAS: tl.constexpr,
+               ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr,
+               FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """dGLU epilogue of a block of columns: dh = d act(h) * (da * p) quantized (gate and up halves),
+    db1 per-tile column sums; returns the row sums of ``da * act(h)`` (dprob partial)."""
+    col_ok = cols < N
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
+    else:
+        u = g
+    dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
+    part = tl.sum(tl.where(out_mask, da * value, 0.0), axis=1)
+    if WRITE_DBIAS:
+        db_ptrs = dbias_ptr + tile * stride_dbias_t + cols
+        tl.store(db_ptrs, tl.sum(tl.where(out_mask, dg, 0.0), axis=0), mask=col_ok)
+        if GATED:
+            tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
+    dg = tl.where(is_padding, 0.0, dg)
+    _store_mx(dg, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+              qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
+    if GATED:
+        du = tl.where(is_padding, 0.0, du)
+        _store_mx(du, rows64, row_ok, cols + q_up_offset, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+                  qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM,
+                  BN)
+    return part
+
+
+@triton.jit
 def mx_grouped_gemm_kernel(
     a_src, stride_am, as_ptr, stride_asm, stride_ask,
     b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS, b_up_rows,
@@ -101,7 +170,7 @@ def mx_grouped_gemm_kernel(
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -170,64 +239,67 @@ def mx_grouped_gemm_kernel(
     col_ok = cols < N
     rows = tl.arange(0, BM) + a_row
     row_ok = rows < row_end
-    out_mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
-    bias_mask = col_ok & (group < NUM_GROUPS - 1)
     if MODE == 0:
+        out_mask = row_ok[:, None] & col_ok[None, :]
+        bias_mask = col_ok & (group < NUM_GROUPS - 1)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
             acc += bias.to(tl.float32)[None, :]
         tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(acc, c_ptr.dtype.element_ty, UPCAST),
                  mask=out_mask)
     elif MODE == 1:
-        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-            if GATED:
-                bias_up = tl.load(bias_ptr + expert * stride_bias_e + bias_up_offset + cols, mask=bias_mask, other=0.0)
-                acc_up += bias_up.to(tl.float32)[None, :]
-        tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
-        if GATED:
-            tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
-            value = act_forward(acc, acc_up, alpha, limit, ACT)
-        else:
-            value = act_forward(acc, acc, alpha, limit, ACT)
         if HAS_PROBS:
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
-            value = value * p[:, None]
-        value = tl.where(is_padding, 0.0, value)
-        _store_mx(value, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
-                  stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
+        else:
+            p = tl.full((BM,), 1.0, tl.float32)
+        if GATED:
+            up = acc_up
+        else:
+            up = acc
+        if SPLIT_EPILOGUE:
+            # two 64-column halves in turn: 1x32 blocks never span them, so the halves are independent,
+            # and half the FP32 state is live next to the quantize / transpose (register spills)
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            up_lo, up_hi = tl.split(tl.permute(tl.reshape(up, (BM, 2, BN // 2)), (0, 2, 1)))
+            cols_lo = pid_n * BN + tl.arange(0, BN // 2)
+            _fc1_part(acc_lo, up_lo, cols_lo, rows64, row_ok, N, p, expert, is_padding, pid_m, group, NUM_GROUPS,
+                      h_ptr, stride_hm, h_up_offset, bias_ptr, stride_bias_e, bias_up_offset, alpha, limit, q_ptr,
+                      stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb,
+                      ACT, GATED, HAS_BIAS, ROWWISE, COLWISE, UPCAST, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN // 2)
+            _fc1_part(acc_hi, up_hi, cols_lo + BN // 2, rows64, row_ok, N, p, expert, is_padding, pid_m, group,
+                      NUM_GROUPS, h_ptr, stride_hm, h_up_offset, bias_ptr, stride_bias_e, bias_up_offset, alpha, limit,
+                      q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb,
+                      ACT, GATED, HAS_BIAS, ROWWISE, COLWISE, UPCAST, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN // 2)
+        else:
+            _fc1_part(acc, up, cols, rows64, row_ok, N, p, expert, is_padding, pid_m, group, NUM_GROUPS,
+                      h_ptr, stride_hm, h_up_offset, bias_ptr, stride_bias_e, bias_up_offset, alpha, limit, q_ptr,
+                      stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb,
+                      ACT, GATED, HAS_BIAS, ROWWISE, COLWISE, UPCAST, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
     else:
         # acc = da, the gradient of act(h) * p
         if HAS_PROBS:
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         else:
             p = tl.full((BM,), 1.0, tl.float32)
-        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        if GATED:
-            u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
+        if SPLIT_EPILOGUE:
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            cols_lo = pid_n * BN + tl.arange(0, BN // 2)
+            part = _dact_part(acc_lo, cols_lo, rows64, row_ok, N, p, is_padding, pid_m, h_ptr, stride_hm,
+                              h_up_offset, alpha, limit, dbias_ptr, stride_dbias_t, q_up_offset, q_ptr, stride_qm,
+                              qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ACT, GATED,
+                              WRITE_DBIAS, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN // 2)
+            part += _dact_part(acc_hi, cols_lo + BN // 2, rows64, row_ok, N, p, is_padding, pid_m, h_ptr, stride_hm,
+                               h_up_offset, alpha, limit, dbias_ptr, stride_dbias_t, q_up_offset, q_ptr, stride_qm,
+                               qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ACT, GATED,
+                               WRITE_DBIAS, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN // 2)
         else:
-            u = g
-        dg, du, value = act_backward(g, u, acc * p[:, None], alpha, limit, ACT)
+            part = _dact_part(acc, cols, rows64, row_ok, N, p, is_padding, pid_m, h_ptr, stride_hm,
+                              h_up_offset, alpha, limit, dbias_ptr, stride_dbias_t, q_up_offset, q_ptr, stride_qm,
+                              qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ACT, GATED,
+                              WRITE_DBIAS, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
         if WRITE_DPROB:
-            part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)
             tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
-        if WRITE_DBIAS:
-            db_ptrs = dbias_ptr + pid_m * stride_dbias_t + cols
-            tl.store(db_ptrs, tl.sum(tl.where(out_mask, dg, 0.0), axis=0), mask=col_ok)
-            if GATED:
-                tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
-        dg = tl.where(is_padding, 0.0, dg)
-        _store_mx(dg, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
-                  stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
-        if GATED:
-            du = tl.where(is_padding, 0.0, du)
-            _store_mx(du, rows64, row_ok, cols + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm,
-                      stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX,
-                      MAX_NORM_RCP, BM, BN)
 
 
 def _tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -247,14 +319,16 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     K-major (contiguous) + ``b_scale`` [E, rows, K/32] uint8 (any strides); ``n`` output columns (the
     gate half for gated FC1/DACT). ``q`` (FC1/DACT): an :class:`~.quantize.MXRows` whose present
     copies are written with ``spec``'s format (the GEMM operands' formats are their dtypes).
-    ``dprob``: FP32 ``[cdiv(n, 128), T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
+    ``dprob``: FP32 ``[n / block_n, T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
     mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
     cfg = config or default_config(kind)
     num_rows, k = a.shape
     if k % MX or n % TILE:
         raise ValueError(f"MXFP8 GEMM: K={k} must be a multiple of {MX} and N={n} of {TILE}")
-    if mode != MODE_PLAIN and cfg.block_n != TILE:
-        raise ValueError(f"config: the quantizing epilogues need block_n={TILE}, got {cfg.block_n}")
+    if mode != MODE_PLAIN and cfg.block_n not in (64, 128):
+        raise ValueError(f"config: the quantizing epilogues need block_n 64 or 128 (whole 1x32 blocks), got {cfg.block_n}")
+    if n % cfg.block_n:
+        raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     b_rows = b.shape[1]
@@ -290,6 +364,6 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        **spec.constexprs(), BM=TILE, BN=cfg.block_n, BK=MX, GROUP_M=cfg.group_m,
+        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(), BM=TILE, BN=cfg.block_n, BK=MX, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
