@@ -145,3 +145,37 @@ def mxfp8_kernels(shape, inputs) -> Dict[str, Dict[str, float]]:
         except Exception as exc:  # recorded: the other kernels still run
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def main(argv=None) -> int:
+    """``python -m te_fused_moe.bench_mxfp8 [shape ...]``: fwd / bwd / fwd+bwd ms of bf16_unfused,
+    mxfp8_unfused and mxfp8_fused (ratios to bf16_unfused), then each fused kernel alone; JSON on stdout."""
+    import json
+    import sys
+
+    from . import bench
+
+    names = (argv if argv is not None else sys.argv[1:]) or ["dsv3-e32"]
+    peak = bench.measure_ceilings()["bf16_gemm_tflops"]
+    impls = {"bf16_unfused": bench.unfused_mlp, "mxfp8_unfused": mxfp8_unfused, "mxfp8_fused": mxfp8_fused}
+    report = {}
+    for name in names:
+        shape = bench.SHAPES[name]
+        inputs = bench.make_inputs(shape)
+        entry = {}
+        for impl, fn in impls.items():
+            try:
+                entry[impl] = bench.bench_implementation(impl, shape, inputs, peak, fn=fn)
+            except Exception as exc:  # recorded, not fatal
+                entry[impl] = {"error": f"{type(exc).__name__}: {exc}"}
+        base = entry["bf16_unfused"].get("fwd_bwd_ms")
+        entry["fwd_bwd_speedup_vs_bf16_unfused"] = {
+            impl: base / entry[impl]["fwd_bwd_ms"] for impl in impls if base and "fwd_bwd_ms" in entry[impl]}
+        entry["kernels"] = mxfp8_kernels(shape, inputs)
+        report[name] = entry
+        print(json.dumps({name: entry}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
