@@ -282,11 +282,13 @@ def fp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
 
     variants = {
         "default": {},
-        "split_dglu_epilogue": dict(epilogue_config=G(two_pass_dact=False)),
-        "stages4": dict(gemm_config=G(block_n=128, num_stages=4), epilogue_config=G(num_stages=4),
-                        wgrad_config=W(num_stages=4)),
-        "group16": dict(gemm_config=G(block_n=128, group_m=16, num_stages=4),
-                        epilogue_config=G(group_m=16, num_stages=3), wgrad_config=W(group_n=16)),
+        "unsplit_epilogues": dict(epilogue_config=G(split_epilogue=False)),
+        # smaller wgrad tiles at 4 warps: ~210 registers, so two CTAs share an SM and one's FP32
+        # promotion can run under the other's wgmma
+        "wgrad_bk64_w4_s4": dict(wgrad_config=W(block_k=64, num_warps=4, num_stages=4)),
+        "wgrad_bk64_w4_s3": dict(wgrad_config=W(block_k=64, num_warps=4, num_stages=3)),
+        "wgrad_bn64_w4_s3": dict(wgrad_config=W(block_n=64, num_warps=4, num_stages=3)),
+        "wgrad_bk64_w8_s4": dict(wgrad_config=W(block_k=64, num_warps=8, num_stages=4)),
         "quantize_warps8": dict(quantize_warps=8),
     }
     shape = bench.SHAPES[shape_name]

@@ -57,7 +57,6 @@ class FP8GemmConfig:
     num_stages: int = 3
     use_tma: bool = True
     split_epilogue: bool = True  # FC1 and dGLU epilogues in two 64-column halves (register pressure)
-    two_pass_dact: bool = True  # dGLU epilogue in two passes over 32-column blocks (see the kernel)
 
 
 def default_config(kind: str) -> FP8GemmConfig:
@@ -153,54 +152,6 @@ def _dact_half(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alph
 
 
 @triton.jit
-def _quarters(t, BM: tl.constexpr, BN: tl.constexpr):
-    """``t`` [BM, BN] as four [BM, BN / 4] column blocks, in order."""
-    lo, hi = tl.split(tl.permute(tl.reshape(t, (BM, 2, BN // 2)), (0, 2, 1)))
-    q0, q1 = tl.split(tl.permute(tl.reshape(lo, (BM, 2, BN // 4)), (0, 2, 1)))
-    q2, q3 = tl.split(tl.permute(tl.reshape(hi, (BM, 2, BN // 4)), (0, 2, 1)))
-    return q0, q1, q2, q3
-
-
-@triton.jit
-def _dact_stats(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding, tile,
-                qt_ptr, stride_qtn, qts_ptr, stride_qtst, q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf,
-                COLWISE: tl.constexpr, WRITE_DBIAS: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
-                MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """First pass of the two-pass dGLU epilogue over one column block: its columnwise blocks (complete
-    per column) and bias sums are stored; returns the dprob row sums and the rows' |dg|, |du| maxima."""
-    WIDTH: tl.constexpr = da.shape[1]
-    dg, du, part, dbg, dbu = _dact_half(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
-                                        is_padding, ACT, GATED)
-    if WRITE_DBIAS:
-        db_ptrs = dbias_ptr + tile * stride_dbias_t + col0 + tl.arange(0, WIDTH)
-        tl.store(db_ptrs, dbg)
-        if GATED:
-            tl.store(db_ptrs + h_up_offset, dbu)
-    if COLWISE:
-        _store_colwise(dg, row_ok, col0, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
-                       MANT, EBIAS, FP8_MAX, POW2)
-        if GATED:
-            _store_colwise(du, row_ok, col0 + q_up_offset, tile, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
-                           value_for_inf, MANT, EBIAS, FP8_MAX, POW2)
-    return part, tl.max(nan_free_abs(dg), axis=1), tl.max(nan_free_abs(du), axis=1)
-
-
-@triton.jit
-def _dact_rowwise(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding,
-                  q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT: tl.constexpr, GATED: tl.constexpr,
-                  MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Second pass over one column block: dg, du recomputed (cheaper than keeping the whole tile's
-    gradients live, which spilled) and written rowwise with the block scales of the first pass."""
-    WIDTH: tl.constexpr = da.shape[1]
-    dg, du, _, _, _ = _dact_half(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
-                                 is_padding, ACT, GATED)
-    ptrs = row_block(q_ptr, row0, stride_qm, col0, 128) + tl.arange(0, WIDTH)[None, :]
-    tl.store(ptrs, encode_fp8(dg * scale_g[:, None], MANT, EBIAS, FP8_MAX), mask=row_ok[:, None])
-    if GATED:
-        tl.store(ptrs + q_up_offset, encode_fp8(du * scale_u[:, None], MANT, EBIAS, FP8_MAX), mask=row_ok[:, None])
-
-
-@triton.jit
 def fp8_grouped_gemm_kernel(
     a_src, stride_am, as_ptr, stride_asm, stride_ask,
     b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS, b_up_rows,
@@ -215,7 +166,7 @@ def fp8_grouped_gemm_kernel(
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-    SPLIT_EPILOGUE: tl.constexpr, TWO_PASS_DACT: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -345,51 +296,7 @@ def fp8_grouped_gemm_kernel(
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         else:
             p = tl.full((BM,), 1.0, tl.float32)
-        if TWO_PASS_DACT:
-            # two passes over four 32-column blocks: (1) columnwise blocks, bias and dprob sums, row
-            # amax; (2) dg, du recomputed and written rowwise. Only da (acc) stays live throughout.
-            d0, d1, d2, d3 = _quarters(acc, BM, BN)
-            Q: tl.constexpr = BN // 4
-            col0 = pid_n * BN
-            part, mg, mu = _dact_stats(d0, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
-                                       is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst, q_up_offset,
-                                       dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS, ACT, GATED,
-                                       MANT, EBIAS, FP8_MAX, POW2)
-            part1, mg1, mu1 = _dact_stats(d1, row0, row_ok, col0 + Q, N, p, h_ptr, stride_hm, h_up_offset, alpha,
-                                          limit, is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
-                                          q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS,
-                                          ACT, GATED, MANT, EBIAS, FP8_MAX, POW2)
-            part2, mg2, mu2 = _dact_stats(d2, row0, row_ok, col0 + 2 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha,
-                                          limit, is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
-                                          q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS,
-                                          ACT, GATED, MANT, EBIAS, FP8_MAX, POW2)
-            part3, mg3, mu3 = _dact_stats(d3, row0, row_ok, col0 + 3 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha,
-                                          limit, is_padding, pid_m, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
-                                          q_up_offset, dbias_ptr, stride_dbias_t, value_for_inf, COLWISE, WRITE_DBIAS,
-                                          ACT, GATED, MANT, EBIAS, FP8_MAX, POW2)
-            if WRITE_DPROB:
-                tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, (part + part1) + (part2 + part3), mask=row_ok)
-            if ROWWISE:
-                scale_g, inv_g = block_scale(tl.maximum(tl.maximum(mg, mg1), tl.maximum(mg2, mg3)), FP8_MAX, POW2,
-                                             value_for_inf)
-                scale_u, inv_u = block_scale(tl.maximum(tl.maximum(mu, mu1), tl.maximum(mu2, mu3)), FP8_MAX, POW2,
-                                             value_for_inf)
-                inv_ptrs = qs_ptr + row0 * stride_qsm + (col0 // 128) * stride_qsk + tl.arange(0, BM) * stride_qsm
-                tl.store(inv_ptrs, inv_g, mask=row_ok)
-                if GATED:
-                    tl.store(inv_ptrs + (q_up_offset // 128) * stride_qsk, inv_u, mask=row_ok)
-                _dact_rowwise(d0, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit, is_padding,
-                              q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS, FP8_MAX)
-                _dact_rowwise(d1, row0, row_ok, col0 + Q, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
-                              is_padding, q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS,
-                              FP8_MAX)
-                _dact_rowwise(d2, row0, row_ok, col0 + 2 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
-                              is_padding, q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS,
-                              FP8_MAX)
-                _dact_rowwise(d3, row0, row_ok, col0 + 3 * Q, N, p, h_ptr, stride_hm, h_up_offset, alpha, limit,
-                              is_padding, q_ptr, stride_qm, q_up_offset, scale_g, scale_u, ACT, GATED, MANT, EBIAS,
-                              FP8_MAX)
-        elif SPLIT_EPILOGUE:
+        if SPLIT_EPILOGUE:
             # two 64-column halves in turn (as the BF16 dGLU kernel does): da, gate, up and their
             # gradients for the whole 128-wide tile at once would spill registers
             acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
@@ -502,7 +409,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, TWO_PASS_DACT=mode == MODE_DACT and cfg.two_pass_dact,
+        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue,
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
