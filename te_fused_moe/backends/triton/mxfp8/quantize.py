@@ -16,13 +16,13 @@ uint8 E8M0 exponents (as :mod:`te_fused_moe.quantize.mxfp8` stores them):
   stored block-major (``[E, K/32, N]`` and ``[E, N/32, K]`` buffers seen transposed), so a GEMM's
   K step loads one contiguous run of per-column scales.
 
-H and F (every K and N) must be multiples of 128 (one quantize program per 128 columns, BN = 128
-epilogues); the rules (amax, E8M0, rounding) are :mod:`te_fused_moe.quantize.mxfp8`'s, see :mod:`.codec`.
+H and F (every K and N) must be multiples of 128 (128x128 weight tiles, 128-wide GEMM tiles); the rules (amax, E8M0, rounding) are :mod:`te_fused_moe.quantize.mxfp8`'s, see :mod:`.codec`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Optional
 
 import torch
@@ -36,7 +36,10 @@ from ..schedule import max_m_tiles
 from .codec import mx_scale
 
 MX = 32  # elements per scale block
-TILE = 128  # schedule M tile; columns per quantize program
+TILE = 128  # schedule M tile
+# columns per quantize_rows program: at 128, rowwise + columnwise spilled ~60 registers (sm_90a, 8 warps,
+# offline build); at 64 nothing spills
+QUANT_COLS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,7 @@ class MXSpec:
         return "e4m3" if self.mant == 3 else "e5m2"
 
     def constexprs(self) -> dict:
-        rcp = float(torch.tensor(1.0 / self.max_value, dtype=torch.float32))  # the FP32 value, exactly
+        rcp = struct.unpack("f", struct.pack("f", 1.0 / self.max_value))[0]  # TE's FP32 constant, exactly
         return dict(MANT=self.mant, EBIAS=self.bias, FP8_MAX=self.max_value, MAX_NORM_RCP=rcp)
 
 
@@ -135,7 +138,7 @@ def quantize_tiles_kernel(
     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """One program per (schedule M tile, 128 columns): 1x32 rowwise blocks and, with ``COLWISE``,
+    """One program per (schedule M tile, ``BK`` columns): 1x32 rowwise blocks and, with ``COLWISE``,
     32-token blocks inside the tile (the tile's rows belong to one group); with ``COLSUM`` the tile's
     FP32 column sums (bias gradients)."""
     pid_m = tl.program_id(0)
@@ -224,7 +227,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         out.data_t = new_transposed(k, num_rows, num_experts, x, spec.torch_dtype, alloc)
         out.scale_t = new_col_scales(k, num_rows, num_experts, x, alloc)
     dummy = x.view(torch.uint8)
-    quantize_tiles_kernel[(m_tiles, k // TILE)](
+    quantize_tiles_kernel[(m_tiles, k // QUANT_COLS)](
         x, x.stride(0),
         _codes(out.data) if rowwise else dummy, out.data.stride(0) if rowwise else 0,
         out.scale if rowwise else dummy, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
@@ -232,7 +235,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         out.scale_t if colwise else dummy, out.scale_t.stride(0) if colwise else 0,
         col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
         schedule, k, num_experts + 1,
-        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=TILE, BK=TILE,
+        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=TILE, BK=QUANT_COLS,
         num_warps=4 if interpreting() else 8,
     )
     return out
