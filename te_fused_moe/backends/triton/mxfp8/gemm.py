@@ -21,6 +21,15 @@ The quantizing modes need ``BM = 128``, ``BN`` 64 or 128 and tiles that start at
 schedule with ``block_m = 128``): a tile's rows then hold four whole 32-token blocks of one expert.
 Quantized outputs are bit-exact with :mod:`te_fused_moe.quantize.mxfp8` on the same FP32 values.
 
+Cost (why this is slower than ``fp8_block`` per FLOP): the promotion is a multiply and an FMA per
+output element per 32-K step on the CUDA cores, against 64 FP8 MMA FLOPs for that element. An H200
+SM retires ~8192 FP8 MMA FLOP/clk but 128 FP32 lanes/clk, so the promotion alone needs about twice
+the tensor-core time of the step: these GEMMs are bounded by ~half the FP8 peak (about the BF16
+peak) even when it overlaps perfectly with the wgmma (``fp8_block`` promotes 4x less often). A way
+past that (not done): keep weights dequantized to BF16 in the weight cache (E4M3 x 2^k is exact in
+BF16 but for extreme scales), scale the FP8 activations to BF16 in registers and let BF16 wgmma
+accumulate: no per-step promotion, BF16 MMA rate.
+
 Interpreter: ``UPCAST`` (``TRITON_INTERPRET=1`` only) converts the FP8 tiles to FP32 before the
 dot; products of FP8 values are exact in FP32, so only the summation order changes.
 """
