@@ -25,10 +25,10 @@ Cost (why this is slower than ``fp8_block`` per FLOP): the promotion is a multip
 output element per 32-K step on the CUDA cores, against 64 FP8 MMA FLOPs for that element. An H200
 SM retires ~8192 FP8 MMA FLOP/clk but 128 FP32 lanes/clk, so the promotion alone needs about twice
 the tensor-core time of the step: these GEMMs are bounded by ~half the FP8 peak (about the BF16
-peak) even when it overlaps perfectly with the wgmma (``fp8_block`` promotes 4x less often). A way
-past that (not done): keep weights dequantized to BF16 in the weight cache (E4M3 x 2^k is exact in
-BF16 but for extreme scales), scale the FP8 activations to BF16 in registers and let BF16 wgmma
-accumulate: no per-step promotion, BF16 MMA rate.
+peak) even when it overlaps perfectly with the wgmma (``fp8_block`` promotes 4x less often). The
+alternative of BF16 wgmma on exactly dequantized operands (weights kept as BF16 in the cache, the
+FP8 activation tile scaled to BF16 in registers, the tensor core accumulating) lands at the same
+bound: it runs at the BF16 MMA rate. So MXFP8 on Hopper saves memory and bandwidth, not GEMM time.
 
 Interpreter: ``UPCAST`` (``TRITON_INTERPRET=1`` only) converts the FP8 tiles to FP32 before the
 dot; products of FP8 values are exact in FP32, so only the summation order changes.
