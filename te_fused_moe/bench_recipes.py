@@ -282,14 +282,15 @@ def fp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
 
     variants = {
         "default": {},
-        "unsplit_epilogues": dict(epilogue_config=G(split_epilogue=False)),
-        # smaller wgrad tiles at 4 warps: ~210 registers, so two CTAs share an SM and one's FP32
-        # promotion can run under the other's wgmma
-        "wgrad_bk64_w4_s4": dict(wgrad_config=W(block_k=64, num_warps=4, num_stages=4)),
-        "wgrad_bk64_w4_s3": dict(wgrad_config=W(block_k=64, num_warps=4, num_stages=3)),
-        "wgrad_bn64_w4_s3": dict(wgrad_config=W(block_n=64, num_warps=4, num_stages=3)),
-        "wgrad_bk64_w8_s4": dict(wgrad_config=W(block_k=64, num_warps=8, num_stages=4)),
-        "quantize_warps8": dict(quantize_warps=8),
+        # the wgrad default was 128x128 tiles at 8 warps: ~500 TFLOP/s at DSv3 (one CTA per SM, whose
+        # FP32 promotion cannot overlap its own wgmma)
+        "wgrad_128x128_w8": dict(wgrad_config=W(num_warps=8, num_stages=4)),
+        "wgrad_bn64_bk64_w4_s4": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4)),
+        "wgrad_bn64_w4_s4": dict(wgrad_config=W(block_n=64, num_warps=4, num_stages=4)),
+        # the same idea for FC2 / FC1 dgrad (the quantizing epilogues need BN = 128)
+        "gemm_bn64_w4_s3": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=3)),
+        "gemm_bn64_w4_s4": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=4)),
+        "gemm_bn128_w4_s3": dict(gemm_config=G(block_n=128, num_warps=4, num_stages=3)),
     }
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)
