@@ -52,7 +52,7 @@ if __name__ != "__main__":
 GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
 TIGHT, LOOSE, FP64_BOUND = 2e-3, 3e-2, 2e-2
 
-# (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, tma, frozen, fp8_format)
+# (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, tma, frozen, fp8_format[, dtype])
 MLP_CASES = [
     ("swiglu-empty-pad", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-zipf", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, True, (), "E4M3"),
@@ -63,6 +63,7 @@ MLP_CASES = [
     ("silu-allpad", 64, 128, 128, 3, "silu", True, True, "balanced", 64, True, True, (), "E4M3"),
     ("swiglu-T0", 0, 128, 128, 2, "swiglu", True, True, "balanced", 0, True, True, (), "E4M3"),
     ("swiglu-hybrid-e5m2-grads", 260, 256, 128, 3, "swiglu", True, True, "zipf", 3, True, True, (), "HYBRID"),
+    ("srelu-fp16", 180, 128, 128, 2, "srelu", True, True, "balanced", 4, True, True, (), "E4M3", torch.float16),
 ]
 
 
@@ -397,14 +398,15 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     from te_fused_moe.backends.triton.mxfp8 import autograd as fa, gemm
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
-    case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, tma, frozen, fmt = case
+    case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, tma, frozen, fmt = case[:14]
+    dtype = case[14] if len(case) > 14 else torch.bfloat16
     fa.H_DTYPE = torch.float32 if h_fp32 else None
     gemm.USE_TMA_DEFAULT = tma
     fa.ALLOC = _poison_alloc if poison else torch.empty
     recipe = MXFP8BlockScaling(fp8_format=Format[fmt])
-    p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
+    p = random_problem(T, H, F, E, activation=act, dtype=dtype, device=device, bias=bias, probs=probs,
                        routing=routing, padding=padding, seed=seed)
-    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     outs = {}
     try:
         for backend in ("triton", "reference"):
