@@ -639,9 +639,8 @@ def test_recipe_and_kernel_arguments_are_validated():
         gemm.default_config("fc3")
 
 
-def test_triton_refuses_unsupported_shape_on_meta_tensors():
-    """The shape check runs before any kernel: backend='triton' names w1/w2 (meta tensors, no data)."""
-    from te_fused_moe.backends import ExpertMLPArgs  # noqa: F401  (the argument record the check reads)
+def test_shape_check_names_w1_and_w2():
+    """The host-side shape check (supports_args, before any kernel) names the weight and the size."""
     from te_fused_moe.backends.triton.mxfp8.autograd import check_shapes
 
     assert check_shapes(256, 384) is None
