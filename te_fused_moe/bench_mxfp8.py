@@ -81,9 +81,11 @@ def mxfp8_unfused(x, counts, w1, w2, activation):
     return MXFP8Unfused.apply(x, counts, w1, w2, activation)
 
 
-def mxfp8_kernels(shape, inputs) -> Dict[str, Dict[str, float]]:
+def mxfp8_kernels(shape, inputs, gemm_config=None, epilogue_config=None, wgrad_config=None,
+                  only_gemms: bool = False) -> Dict[str, Dict[str, float]]:
     """Each kernel of the fused MXFP8 path alone on ``inputs`` (``bench.make_inputs(shape)``): ms, and
-    TFLOP/s (GEMMs, over routed tokens) or GB/s (quantize: bytes read + written)."""
+    TFLOP/s (GEMMs, over routed tokens) or GB/s (quantize: bytes read + written). Optional block
+    configs: ``gemm_config`` (FC2, FC1 dgrad), ``epilogue_config`` (FC1, dGLU), ``wgrad_config``."""
     from . import bench
     from .backends.triton.mxfp8 import gemm
     from .backends.triton.mxfp8.autograd import new_rows
@@ -106,7 +108,8 @@ def mxfp8_kernels(shape, inputs) -> Dict[str, Dict[str, float]]:
     dhq = new_rows(T, n1, x, spec, E, True, True, alloc=torch.empty)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    dprob = torch.empty(F // gemm.default_config("dact").block_n, T, device=x.device, dtype=torch.float32)
+    dprob = torch.empty(F // (epilogue_config or gemm.default_config("dact")).block_n, T, device=x.device,
+                        dtype=torch.float32)
     probs = torch.rand(T, device=x.device) + 0.05
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
                 b_up_rows=F, **kw)
@@ -118,19 +121,25 @@ def mxfp8_kernels(shape, inputs) -> Dict[str, Dict[str, float]]:
         "quantize_weights": (lambda: (quantize_weight(w1, spec), quantize_weight(w2, spec)), None,
                              q_bytes(w1.numel() + w2.numel())),
         "fc1_glu_quant": (lambda: gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq,
-                                              h=h, h_up_offset=F, b_up_rows=F, **kw), 2.0 * routed * H * n1, None),
-        "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y),
+                                              h=h, h_up_offset=F, b_up_rows=F, config=epilogue_config, **kw),
+                          2.0 * routed * H * n1, None),
+        "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y,
+                                    config=gemm_config),
                 2.0 * routed * F * H, None),
         "quantize_dy_row_col": (lambda: quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True), None,
                                 q_bytes(T * H)),
         "fc2_dgrad_dglu_quant": (lambda: gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched,
                                                      E, spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
-                                                     dprob=dprob, **kw), 2.0 * routed * H * F, None),
+                                                     dprob=dprob, config=epilogue_config, **kw),
+                                 2.0 * routed * H * F, None),
         "fc1_dgrad": (lambda: gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec,
-                                          c=dx), 2.0 * routed * n1 * H, None),
-        "wgrad_w2": (lambda: mx_grouped_wgrad(dyq, aq, sched, dw2), 2.0 * routed * H * F, None),
-        "wgrad_w1": (lambda: mx_grouped_wgrad(dhq, xq, sched, dw1), 2.0 * routed * n1 * H, None),
+                                          c=dx, config=gemm_config), 2.0 * routed * n1 * H, None),
+        "wgrad_w2": (lambda: mx_grouped_wgrad(dyq, aq, sched, dw2, config=wgrad_config), 2.0 * routed * H * F, None),
+        "wgrad_w1": (lambda: mx_grouped_wgrad(dhq, xq, sched, dw1, config=wgrad_config), 2.0 * routed * n1 * H,
+                     None),
     }
+    if only_gemms:
+        kernels = {k: v for k, v in kernels.items() if v[1]}
     out = {}
     for name, (fn, flops, nbytes) in kernels.items():
         try:
@@ -147,15 +156,43 @@ def mxfp8_kernels(shape, inputs) -> Dict[str, Dict[str, float]]:
     return out
 
 
+def mxfp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
+    """Per-kernel ms of the MXFP8 GEMMs under a few block configs (the defaults were chosen from an
+    offline sm_90a build's register counts, not from timings): pick the fastest per kernel."""
+    from . import bench
+    from .backends.triton.mxfp8.gemm import MXGemmConfig as G
+    from .backends.triton.mxfp8.wgrad import MXWgradConfig as W
+
+    shape = bench.SHAPES[shape_name]
+    inputs = bench.make_inputs(shape)
+    variants = {
+        "default": {},
+        "plain_128x128_w8": dict(gemm_config=G(block_n=128, num_warps=8, num_stages=4)),
+        "plain_128x64_w4_s6": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=6)),
+        "epi_128x128_w8_split": dict(epilogue_config=G(block_n=128, num_warps=8, num_stages=3)),
+        "wgrad_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4)),
+        "wgrad_64x64_w4": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4)),
+        "wgrad_128x64_w4": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    }
+    return {name: mxfp8_kernels(shape, inputs, only_gemms=True, **cfg) for name, cfg in variants.items()}
+
+
 def main(argv=None) -> int:
-    """``python -m te_fused_moe.bench_mxfp8 [shape ...]``: fwd / bwd / fwd+bwd ms of bf16_unfused,
-    mxfp8_unfused and mxfp8_fused (ratios to bf16_unfused), then each fused kernel alone; JSON on stdout."""
+    """``python -m te_fused_moe.bench_mxfp8 [--variants] [shape ...]``: fwd / bwd / fwd+bwd ms of
+    bf16_unfused, mxfp8_unfused and mxfp8_fused (ratios to bf16_unfused), then each fused kernel alone;
+    with ``--variants`` the GEMM kernels under other block configs instead. JSON lines on stdout."""
     import json
     import sys
 
     from . import bench
 
-    names = (argv if argv is not None else sys.argv[1:]) or ["dsv3-e32"]
+    args = list(argv if argv is not None else sys.argv[1:])
+    if "--variants" in args:  # per-kernel block-config comparison instead of the MLP timings
+        args.remove("--variants")
+        for name in args or ["dsv3-e32"]:
+            print(json.dumps({name: mxfp8_variants(name)}), flush=True)
+        return 0
+    names = args or ["dsv3-e32"]
     peak = bench.measure_ceilings()["bf16_gemm_tflops"]
     impls = {"bf16_unfused": bench.unfused_mlp, "mxfp8_unfused": mxfp8_unfused, "mxfp8_fused": mxfp8_fused}
     report = {}

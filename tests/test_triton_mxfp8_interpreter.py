@@ -269,12 +269,13 @@ def check_weight_cache(device: str) -> dict:
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
-                        T: int = 300, H: int = 256, epilogue=None) -> dict:
+                        T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
     multiplies that PyTorch reproduces bit for bit. ``fmt`` is the format of a, dy and dh;
-    ``epilogue``: overrides of the FC1 / dGLU GEMM config (e.g. ``block_n=128, split_epilogue=False``)."""
+    ``epilogue``, ``plain``, ``wgrad``: overrides of the FC1 / dGLU, FC2 / dgrad and wgrad configs
+    (e.g. ``block_n=128, split_epilogue=False``)."""
     import dataclasses
 
     from moe_reference import make_counts
@@ -282,7 +283,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     from te_fused_moe.backends.triton.fp8_block.wgrad import tile_sums_to_experts
     from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
     from te_fused_moe.backends.triton.mxfp8.autograd import new_rows
-    from te_fused_moe.backends.triton.mxfp8.wgrad import mx_grouped_wgrad
+    from te_fused_moe.backends.triton.mxfp8.wgrad import default_config as wgrad_default, mx_grouped_wgrad
     from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles, schedule_table
     from te_fused_moe.quantize import mxfp8 as ref
 
@@ -306,7 +307,9 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, probs=p,
                 activation="srelu", gated=False, config=cfg)
     y = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
-    gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, wspec, c=y)
+    pcfg = dataclasses.replace(gemm.default_config("fc2"), **(plain or {}))
+    wcfg = dataclasses.replace(wgrad_default(), **(wgrad or {}))
+    gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, wspec, c=y, config=pcfg)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=_poison_alloc)
     dhq = new_rows(T, n1, h, spec, E, True, True, alloc=_poison_alloc)
     dprob = _poisoned(torch.empty(F // cfg.block_n, T, device=device))
@@ -314,11 +317,11 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, h=h, probs=p,
                 dprob=dprob, dbias=dbias, activation="srelu", gated=False, config=cfg)
     dx = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
-    gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
+    gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx, config=pcfg)
     dw1 = _poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
     dw2 = _poisoned(torch.empty(E, H, F, device=device, dtype=torch.bfloat16))
-    mx_grouped_wgrad(dyq, aq, sched, dw2)
-    mx_grouped_wgrad(dhq, xq, sched, dw1)
+    mx_grouped_wgrad(dyq, aq, sched, dw2, config=wcfg)
+    mx_grouped_wgrad(dhq, xq, sched, dw1, config=wcfg)
     db1 = _poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
     tile_sums_to_experts(dbias, sched, db1)
     gemm.USE_TMA_DEFAULT = True
@@ -576,8 +579,8 @@ def sm90_build_report() -> dict:
                       BM=128, BN=cfg.block_n, BK=32, GROUP_M=cfg.group_m)
         report[name] = build(gemm.mx_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
     wcfg = W.default_config()
-    report["wgrad"] = build(W.mx_wgrad_kernel, dict(g_src="tensordesc<fp8e5[128, 32]>",
-                                                    x_src="tensordesc<fp8e4nv[128, 32]>", gs_ptr="*u8",
+    report["wgrad"] = build(W.mx_wgrad_kernel, dict(g_src=f"tensordesc<fp8e5[{wcfg.block_n}, 32]>",
+                                                    x_src=f"tensordesc<fp8e4nv[{wcfg.block_k}, 32]>", gs_ptr="*u8",
                                                     xs_ptr="*u8", dw_ptr="*bf16", sched_ptr="*i32"),
                             dict(USE_TMA=True, UPCAST=False, BN=wcfg.block_n, BK=wcfg.block_k, BT=32, TILE_M=128,
                                  GROUP_N=wcfg.group_n), wcfg.num_warps, wcfg.num_stages)
@@ -607,7 +610,8 @@ def _worker() -> None:
         "exact": check_kernels_exact("cpu"),
         "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
         "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
-                                                   epilogue=dict(block_n=128, split_epilogue=False)),
+                                                   epilogue=dict(block_n=128, split_epilogue=False),
+                                                   plain=dict(block_n=128), wgrad=dict(block_n=128)),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},

@@ -66,16 +66,20 @@ class MXGemmConfig:
 def default_config(kind: str) -> MXGemmConfig:
     """BM = 128 always (four 32-token blocks of one expert per tile), BK = 32 (one scale block per step).
 
-    FC1 / dGLU: BN = 64. The promotion keeps the FP32 accumulator and the dot's fresh result live
-    together (two of each for gated FC1): at BN = 128 gated FC1 reloads spilled registers inside its
-    K loop (sm_90a ptxas, offline build: 114 LDL per step) and the dGLU epilogue spills ~550 values;
-    at BN = 64 neither K loop spills. FC2 / FC1 dgrad: BN = 128 (241 registers, no spills)."""
+    FC1 / dGLU: BN = 64 at 8 warps. The promotion keeps the FP32 accumulator and the dot's fresh
+    result live together (two of each for gated FC1): at BN = 128 gated FC1 reloads spilled registers
+    inside its K loop (sm_90a ptxas, offline build: 114 LDL per step) and the dGLU epilogue spills
+    ~550 values; at BN = 64 neither K loop spills (252 / 255 registers: one CTA per SM).
+    FC2 / FC1 dgrad: 128x64 tiles at 4 warps (239 registers, no spills): two CTAs per SM, so one's
+    FP32 promotion can run under the other's wgmma (what made fp8_block's wgrad 1.35x faster on the
+    H200 than 128x128 at 8 warps; not yet measured here: ``python -m te_fused_moe.bench_mxfp8 --variants``)."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
-    block_n = 64 if kind in ("fc1", "dact") else 128
     if interpreting():
-        return MXGemmConfig(block_n=block_n, group_m=2, num_warps=4, num_stages=1)
-    return MXGemmConfig(block_n=block_n)
+        return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1)  # the GPU's tile shapes
+    if kind in ("fc1", "dact"):
+        return MXGemmConfig(block_n=64, num_warps=8, num_stages=4)
+    return MXGemmConfig(block_n=64, num_warps=4, num_stages=4)
 
 
 @triton.jit
