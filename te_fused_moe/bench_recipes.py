@@ -205,7 +205,8 @@ def bench_impl(name: str, shape: bench.Shape, inputs, peak: float) -> Dict:
 
 def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
                       wgrad_config=None, only_gemms: bool = False,
-                      quantize_warps: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+                      quantize_warps: Optional[int] = None,
+                      quantize_maxnreg: Optional[int] = None) -> Dict[str, Dict[str, float]]:
     """Each kernel of the fused FP8 block path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize); optionally
     with given block configs (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU dgrad)."""
     from .backends.triton.fp8_block import gemm
@@ -235,7 +236,7 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=N
                 b_up_rows=F, **kw)
     kernels = {
         "quantize_x_row_col": (lambda: quantize_rows(x, sched, E, spec, rowwise=True, colwise=True,
-                                                     num_warps=quantize_warps), None,
+                                                     num_warps=quantize_warps, maxnreg=quantize_maxnreg), None,
                                T * H * 4.0),
         "quantize_weights": (lambda: (quantize_weight(w1, spec), quantize_weight(w2, spec)), None,
                              (w1.numel() + w2.numel()) * 4.0),
@@ -245,7 +246,7 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=N
         "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y,
                                     config=gemm_config), 2.0 * routed * F * H, None),
         "quantize_dy_row_col": (lambda: quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True,
-                                                      num_warps=quantize_warps), None,
+                                                      num_warps=quantize_warps, maxnreg=quantize_maxnreg), None,
                                 T * H * 4.0),
         "fc2_dgrad_dglu_quant": (lambda: gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E,
                                                      spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
@@ -285,12 +286,12 @@ def fp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
         # the wgrad default was 128x128 tiles at 8 warps: ~500 TFLOP/s at DSv3 (one CTA per SM, whose
         # FP32 promotion cannot overlap its own wgmma)
         "wgrad_128x128_w8": dict(wgrad_config=W(num_warps=8, num_stages=4)),
-        "wgrad_bn64_bk64_w4_s4": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4)),
-        "wgrad_bn64_w4_s4": dict(wgrad_config=W(block_n=64, num_warps=4, num_stages=4)),
         # the same idea for FC2 / FC1 dgrad (the quantizing epilogues need BN = 128)
         "gemm_bn64_w4_s3": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=3)),
-        "gemm_bn64_w4_s4": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=4)),
-        "gemm_bn128_w4_s3": dict(gemm_config=G(block_n=128, num_warps=4, num_stages=3)),
+        # quantize: register caps that let two CTAs share an SM (load of one under the other's math)
+        "quantize_w8_r128": dict(quantize_warps=8, quantize_maxnreg=128),
+        "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),
+        "quantize_w4_r128": dict(quantize_warps=4, quantize_maxnreg=128),
     }
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)

@@ -235,10 +235,11 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
 def check_weight_cache(device: str) -> dict:
     """Quantized once per optimizer step: micro-batches reuse the copy; an in-place update or an
     optimizer step refreshes it (fp8_block's cache rules, MXFP8 copies)."""
-    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec, MXWeightCache
+    from te_fused_moe.backends.triton.fp8_block.quantize import WeightCache
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec, quantize_weight
     from te_fused_moe.quantize import mxfp8 as ref
 
-    cache = MXWeightCache()
+    cache = WeightCache(quantize_fn=quantize_weight)
     spec = MXSpec()
     w = torch.nn.Parameter(torch.randn(2, 256, 128, device=device, dtype=torch.bfloat16))
     first = cache.get(w, spec)

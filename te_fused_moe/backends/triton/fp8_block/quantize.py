@@ -37,7 +37,8 @@ from ..schedule import max_m_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
 
 BLOCK = 128
-QUANTIZE_WARPS = 16  # per 128x128 tile: 32 values per thread (8 warps spilled with rowwise + columnwise)
+QUANTIZE_WARPS = 16  # per 128x128 tile: 32 values per thread
+QUANTIZE_MAXNREG = None  # register cap per thread (None: the compiler's choice)
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -180,7 +181,8 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: FP8Spec, *, rowwise: bool = True,
                   colwise: bool = False, value_for_inf: float = FLOAT32_MAX, alloc=torch.empty,
-                  col_sums: Optional[torch.Tensor] = None, num_warps: Optional[int] = None) -> QuantizedRows:
+                  col_sums: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
+                  maxnreg: Optional[int] = None) -> QuantizedRows:
     """Quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert).
     ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``."""
@@ -210,6 +212,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         schedule, k, float(value_for_inf), num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
         num_warps=4 if interpreting() else (num_warps or QUANTIZE_WARPS),
+        **({} if interpreting() else {"maxnreg": maxnreg or QUANTIZE_MAXNREG}),
     )
     return out
 
@@ -264,9 +267,11 @@ class WeightCache:
     replay after an optimizer step must see the new weights.
     """
 
-    def __init__(self, follow_optimizer_steps: bool = True):
+    def __init__(self, follow_optimizer_steps: bool = True, quantize_fn=None):
         from torch.utils.weak import WeakIdKeyDictionary
 
+        # quantize_fn(w, spec, transposed=...) makes an entry (the MXFP8 path passes its own)
+        self._quantize = quantize_fn or quantize_weight
         self._entries = WeakIdKeyDictionary()
         self.generation = 0
         self.hits = 0
@@ -281,7 +286,7 @@ class WeightCache:
         """Treat every cached copy as stale (cheap: entries are re-quantized on their next use)."""
         self.generation += 1
 
-    def get(self, w: torch.Tensor, spec: FP8Spec, transposed: bool = True) -> QuantizedWeight:
+    def get(self, w: torch.Tensor, spec, transposed: bool = True):
         key = (self.generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed)
         capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:
@@ -291,7 +296,7 @@ class WeightCache:
                 return entry[1]
         self.misses += 1
         with torch.no_grad():
-            q = quantize_weight(w.detach(), spec, transposed=transposed)
+            q = self._quantize(w.detach(), spec, transposed=transposed)
         if not capturing:
             self._entries[w] = (key, q)
         return q

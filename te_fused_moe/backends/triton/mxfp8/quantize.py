@@ -280,27 +280,5 @@ def quantize_weight(w: torch.Tensor, spec: MXSpec, *, transposed: bool = True, a
     return MXWeight(data, scale, data_t, scale_t)
 
 
-class MXWeightCache(WeightCache):
-    """``fp8_block``'s per-optimizer-step weight cache (same invalidation rules: tensor, storage,
-    version, optimizer-step generation; bypassed while a CUDA graph is captured) holding MXFP8 copies.
-
-    Only the lookup is re-stated here because the base class calls the FP8-block quantizer by
-    name; a ``quantize_fn`` argument on ``WeightCache`` would make this subclass unnecessary."""
-
-    def get(self, w: torch.Tensor, spec: MXSpec, transposed: bool = True) -> MXWeight:
-        key = (self.generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed)
-        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            entry = self._entries.get(w)
-            if entry is not None and entry[0] == key:
-                self.hits += 1
-                return entry[1]
-        self.misses += 1
-        with torch.no_grad():
-            q = quantize_weight(w.detach(), spec, transposed=transposed)
-        if not capturing:
-            self._entries[w] = (key, q)
-        return q
-
-
-WEIGHT_CACHE = MXWeightCache()
+# fp8_block's per-optimizer-step cache (same invalidation rules) holding MXFP8 copies
+WEIGHT_CACHE = WeightCache(quantize_fn=quantize_weight)
