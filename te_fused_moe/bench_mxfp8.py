@@ -88,7 +88,7 @@ def mxfp8_kernels(shape, inputs, gemm_config=None, epilogue_config=None, wgrad_c
     configs: ``gemm_config`` (FC2, FC1 dgrad), ``epilogue_config`` (FC1, dGLU), ``wgrad_config``."""
     from . import bench
     from .backends.triton.mxfp8 import gemm
-    from .backends.triton.mxfp8.autograd import new_rows
+    from .backends.triton.mxfp8.quantize import new_rows
     from .backends.triton.mxfp8.quantize import TILE, MXSpec, quantize_rows, quantize_weight
     from .backends.triton.mxfp8.wgrad import mx_grouped_wgrad
     from .backends.triton.schedule import build_schedule

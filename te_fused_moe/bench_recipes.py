@@ -210,7 +210,7 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=N
     """Each kernel of the fused FP8 block path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize); optionally
     with given block configs (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU dgrad)."""
     from .backends.triton.fp8_block import gemm
-    from .backends.triton.fp8_block.autograd import _new_rows
+    from .backends.triton.fp8_block.quantize import new_rows
     from .backends.triton.fp8_block.quantize import FP8Spec, quantize_rows, quantize_weight
     from .backends.triton.fp8_block.wgrad import fp8_grouped_wgrad
     from .backends.triton.schedule import build_schedule
@@ -226,8 +226,8 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=N
     xq = quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
     dyq = quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
     h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
-    aq = _new_rows(T, F, x, spec, E, True, True)
-    dhq = _new_rows(T, n1, x, spec, E, True, True)
+    aq = new_rows(T, F, x, spec, E, True, True)
+    dhq = new_rows(T, n1, x, spec, E, True, True)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
     dprob = torch.empty(F // 128, T, device=x.device, dtype=torch.float32)

@@ -396,7 +396,8 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     from moe_reference import random_problem, rel_err
 
     from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.backends.triton.fp8_block import autograd as fa, gemm
+    from te_fused_moe.backends.triton import block_scaled as fa
+    from te_fused_moe.backends.triton.fp8_block import gemm
     from te_fused_moe.recipes import Float8BlockScaling, Format
 
     case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, f32s, tma, frozen = case[:14]
@@ -592,4 +593,4 @@ def test_supports_names_the_recipe_subset():
         assert not verdict and "implements Float8BlockScaling with fp8_format=E4M3 or HYBRID" in verdict.reason, verdict
     assert backend.supports(act, as_recipe("mxfp8"), torch.bfloat16)  # tests/test_triton_mxfp8_interpreter.py
     verdict = backend.supports(act, as_recipe("nvfp4"), torch.bfloat16)
-    assert not verdict and "bf16 and fp8_block" in verdict.reason and "nvfp4" in verdict.reason, verdict
+    assert not verdict and "bf16, fp8_block" in verdict.reason and "nvfp4" in verdict.reason, verdict

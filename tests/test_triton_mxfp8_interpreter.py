@@ -283,7 +283,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
 
     from te_fused_moe.backends.triton.fp8_block.wgrad import tile_sums_to_experts
     from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
-    from te_fused_moe.backends.triton.mxfp8.autograd import new_rows
+    from te_fused_moe.backends.triton.mxfp8.quantize import new_rows
     from te_fused_moe.backends.triton.mxfp8.wgrad import default_config as wgrad_default, mx_grouped_wgrad
     from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles, schedule_table
     from te_fused_moe.quantize import mxfp8 as ref
@@ -399,7 +399,8 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     from moe_reference import random_problem, rel_err
 
     from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.backends.triton.mxfp8 import autograd as fa, gemm
+    from te_fused_moe.backends.triton import block_scaled as fa
+    from te_fused_moe.backends.triton.mxfp8 import gemm
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
     case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, tma, frozen, fmt = case[:14]
@@ -466,7 +467,7 @@ def check_dispatch(device: str) -> dict:
     from moe_reference import random_problem
 
     from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.backends.triton.mxfp8 import autograd as fa
+    from te_fused_moe.backends.triton import block_scaled
     from te_fused_moe.recipes import MXFP8BlockScaling
 
     out = {}
@@ -489,7 +490,8 @@ def check_dispatch(device: str) -> dict:
     y = fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"].requires_grad_(True), p["w2"], recipe="mxfp8",
                       backend="triton")
     out["node"] = type(y.grad_fn).__name__
-    out["expected_node"] = fa.TritonMXFP8ExpertMLP.__name__ + "Backward"
+    out["expected_node"] = block_scaled.BlockScaledExpertMLP.__name__ + "Backward"
+    out["node_kernels"] = y.grad_fn.kernels.recipe_name  # the ctx of our Function holds the recipe's kernels
     return out
 
 
@@ -688,7 +690,7 @@ def test_dispatch_refuses_shapes_and_auto_falls_back(results):
     assert "w2: backend='triton' with MXFP8BlockScaling needs the FFN size to be a multiple of 128, got 160" in \
         d["refused_ffn"], d
     assert d["auto_equals_reference_hidden"] and d["auto_equals_reference_ffn"], d
-    assert d["node"] == d["expected_node"], d
+    assert d["node"] == d["expected_node"] and d["node_kernels"] == "MXFP8BlockScaling", d
 
 
 def test_bench_unfused_baseline_is_the_same_recipe(results):

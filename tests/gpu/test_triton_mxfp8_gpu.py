@@ -175,7 +175,7 @@ def test_refuses_shapes_and_auto_falls_back_on_gpu():
     assert "needs the hidden size to be a multiple of 128, got 96" in d["refused_hidden"], d
     assert "needs the FFN size to be a multiple of 128, got 160" in d["refused_ffn"], d
     assert d["auto_equals_reference_hidden"] and d["auto_equals_reference_ffn"], d
-    assert d["node"] == d["expected_node"], d
+    assert d["node"] == d["expected_node"] and d["node_kernels"] == "MXFP8BlockScaling", d
 
 
 def test_bench_unfused_baseline_is_the_same_recipe_gpu():

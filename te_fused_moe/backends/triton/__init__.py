@@ -2,8 +2,8 @@
 
 Modules: ``schedule`` (device-side tile schedule), ``act_math`` (activation math in Triton),
 ``grouped_gemm`` (FC1/FC2/dgrad kernels with epilogues), ``wgrad`` (variable-K grouped GEMM with
-fused bias gradients), ``autograd`` (the ``torch.autograd.Function``); ``fp8_block/`` the same MLP
-for the FP8 block recipe (``Float8BlockScaling``: FP8 wgmma with per-128-block scale promotion,
+fused bias gradients), ``autograd`` (the ``torch.autograd.Function``); ``block_scaled`` the autograd
+Function of the block-scaled FP8 recipes, whose kernels come from ``fp8_block/``, for the FP8 block recipe (``Float8BlockScaling``: FP8 wgmma with per-128-block scale promotion,
 quantizing epilogues); ``mxfp8/`` the MXFP8 recipe (``MXFP8BlockScaling``: FP8 wgmma per 32-wide K
 block with exact power-of-two scale promotion, quantizing epilogues).
 
@@ -60,24 +60,17 @@ class TritonBackend(Backend):
                 False, f"backend='triton' needs bfloat16 or float16 tensors, got {dtype} (use backend='reference')"
             )
         recipe_name = getattr(recipe, "name", None) or type(recipe).__name__
-        if _is_fp8_block_recipe(recipe):
-            from .fp8_block.autograd import supports_fp8_block
-
-            reason = supports_fp8_block(recipe)
-            if reason is not None:
-                return Availability(False, reason)
-        elif _is_mxfp8_recipe(recipe):
-            from .mxfp8.autograd import supports_mxfp8
-
-            reason = supports_mxfp8(recipe)
+        kernels = _block_scaled_kernels(recipe)
+        if kernels is not None:
+            reason = kernels.unsupported(recipe)
             if reason is not None:
                 return Availability(False, reason)
         elif not _is_bf16_recipe(recipe):
             return Availability(
                 False,
-                f"backend='triton' implements the bf16 and fp8_block (Float8BlockScaling) recipes and mxfp8 "
-                f"(MXFP8BlockScaling), got {recipe_name} (NVFP4 on Hopper is planned: FP8 wgmma over expanded block "
-                f"scales; use backend='reference', or backend='cudnn' on SM100+)",
+                f"backend='triton' implements the bf16, fp8_block (Float8BlockScaling) and mxfp8 (MXFP8BlockScaling) "
+                f"recipes, got {recipe_name} (NVFP4 on Hopper is planned: E2M1 operands expanded to BF16 in the "
+                f"kernel; use backend='reference', or backend='cudnn' on SM100+)",
             )
         from .act_math import ACT_IDS
 
@@ -88,35 +81,17 @@ class TritonBackend(Backend):
     def supports_args(self, args: ExpertMLPArgs) -> Availability:
         """Shape limits of a call (after :meth:`supports`): the FP8 block and MXFP8 paths need H and F
         to be multiples of 128."""
-        if _is_fp8_block_recipe(args.recipe):
-            from .fp8_block.autograd import check_shapes
-
-            reason = check_shapes(args.hidden_size, args.ffn_hidden_size)
-            if reason is not None:
-                return Availability(False, reason)
-        if _is_mxfp8_recipe(args.recipe):
-            from .mxfp8.autograd import check_shapes as check_mxfp8_shapes
-
-            reason = check_mxfp8_shapes(args.hidden_size, args.ffn_hidden_size)
+        kernels = _block_scaled_kernels(args.recipe)
+        if kernels is not None:
+            reason = kernels.check_shapes(args.hidden_size, args.ffn_hidden_size)
             if reason is not None:
                 return Availability(False, reason)
         return Availability(True)
 
     def forward(self, args: ExpertMLPArgs) -> torch.Tensor:
-        if _is_fp8_block_recipe(args.recipe):
-            from .fp8_block.autograd import check_shapes, fp8_block_expert_mlp
-
-            reason = check_shapes(args.hidden_size, args.ffn_hidden_size)
-            if reason is not None:
-                raise ValueError(reason)
-            return fp8_block_expert_mlp(args)
-        if _is_mxfp8_recipe(args.recipe):
-            from .mxfp8.autograd import check_shapes as check_mxfp8_shapes, mxfp8_expert_mlp
-
-            reason = check_mxfp8_shapes(args.hidden_size, args.ffn_hidden_size)
-            if reason is not None:
-                raise ValueError(reason)
-            return mxfp8_expert_mlp(args)
+        kernels = _block_scaled_kernels(args.recipe)
+        if kernels is not None:
+            return kernels.expert_mlp(args)
         from .autograd import TritonExpertMLP
 
         return TritonExpertMLP.apply(
@@ -133,16 +108,19 @@ def _is_bf16_recipe(recipe) -> bool:
     return isinstance(recipe, BF16Recipe)
 
 
-def _is_fp8_block_recipe(recipe) -> bool:
-    from ...recipes import Float8BlockScaling
+def _block_scaled_kernels(recipe):
+    """The kernels of a block-scaled FP8 recipe (``block_scaled.RecipeKernels``), or None (BF16 or other)."""
+    from ...recipes import Float8BlockScaling, MXFP8BlockScaling
 
-    return isinstance(recipe, Float8BlockScaling)
+    if isinstance(recipe, Float8BlockScaling):
+        from .fp8_block.autograd import KERNELS
 
+        return KERNELS
+    if isinstance(recipe, MXFP8BlockScaling):
+        from .mxfp8.autograd import KERNELS
 
-def _is_mxfp8_recipe(recipe) -> bool:
-    from ...recipes import MXFP8BlockScaling
-
-    return isinstance(recipe, MXFP8BlockScaling)
+        return KERNELS
+    return None
 
 
 BACKEND = TritonBackend()

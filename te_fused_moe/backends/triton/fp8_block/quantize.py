@@ -90,6 +90,19 @@ class QuantizedRows:
     scale_t: Optional[torch.Tensor] = None  # [max_m_tiles, K] fp32
 
 
+def new_rows(num_rows: int, width: int, like: torch.Tensor, spec: FP8Spec, num_experts: int, rowwise: bool,
+             colwise: bool, alloc=torch.empty) -> "QuantizedRows":
+    """Buffers of a quantized activation that a GEMM epilogue fills (the copies asked for)."""
+    q = QuantizedRows()
+    if rowwise:
+        q.data = alloc((num_rows, width), device=like.device, dtype=spec.torch_dtype)
+        q.scale = new_row_scales(num_rows, width, like, alloc)
+    if colwise:
+        q.data_t = new_transposed(width, num_rows, num_experts, like, spec.torch_dtype, alloc)
+        q.scale_t = alloc((max_m_tiles(num_rows, num_experts, BLOCK), width), device=like.device, dtype=torch.float32)
+    return q
+
+
 @triton.jit
 def row_block(ptr, row0, stride, col0, ROWS: tl.constexpr):
     """``[ROWS, 1]`` row pointers of a 2-D buffer from (``row0``, ``col0``): one 64-bit scalar base plus

@@ -107,6 +107,19 @@ class MXRows:
     scale_t: Optional[torch.Tensor] = None  # [4 * max_m_tiles, K] uint8
 
 
+def new_rows(num_rows: int, width: int, like: torch.Tensor, spec: "MXSpec", num_experts: int, rowwise: bool,
+             colwise: bool, alloc=torch.empty) -> MXRows:
+    """Buffers of a quantized activation that a GEMM epilogue fills (the copies asked for)."""
+    q = MXRows()
+    if rowwise:
+        q.data = alloc((num_rows, width), device=like.device, dtype=spec.torch_dtype)
+        q.scale = new_row_scales(num_rows, width, like, alloc)
+    if colwise:
+        q.data_t = new_transposed(width, num_rows, num_experts, like, spec.torch_dtype, alloc)
+        q.scale_t = new_col_scales(width, num_rows, num_experts, like, alloc)
+    return q
+
+
 @triton.jit
 def quantize_rowwise_block(v, BM: tl.constexpr, BN: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr,
                            FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr):

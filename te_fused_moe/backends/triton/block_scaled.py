@@ -1,0 +1,175 @@
+"""The expert MLP of a block-scaled FP8 recipe on the Triton backend: one autograd Function whose
+kernels come from the recipe's package (``fp8_block/`` for Float8BlockScaling, ``mxfp8/`` for
+MXFP8BlockScaling). Both run the same dataflow; only block sizes, scale formats and layouts differ.
+
+Forward (3 kernels; weights come from the recipe's per-step weight cache):
+  quantize x (rowwise for FC1, columnwise for w1's wgrad) -> FC1 (+b1, act, x probs; h saved;
+  ``a`` written quantized rowwise + columnwise by the epilogue) -> FC2 (+b2) -> y.
+Backward (up to 6 kernels):
+  quantize dy (rowwise for the dgrad, columnwise for w2's wgrad; per-tile column sums for db2) ->
+  FC2 dgrad with the dGLU epilogue (``dh`` quantized rowwise + columnwise, dprob partials, db1
+  per-tile sums) -> FC1 dgrad (dx) -> wgrad of w2 and of w1 (per-token-block scales of both
+  operands) -> db1, db2 (per-expert sums of per-tile column sums, in a fixed order).
+
+Every GEMM operand is quantized along that GEMM's reduction axis as the reference backend emulates
+it (``te_fused_moe/backends/reference/gemm.py``): fprop x and w along K, dgrad grad and w along N,
+wgrad grad and x along the tokens (blocks restarting at each expert's first row). ``a`` and ``dh``
+are quantized from their FP32 values. Differences from the reference: the order of FP32 sums (and
+the FP8 wgmma's own accumulation inside one scale block on the GPU), which can move a value that
+sits next to an FP8 rounding boundary (or an amax next to a power of two) by one FP8 step; and
+``h`` is saved in ``H_DTYPE`` (default: x's dtype, as TE saves the GLU input; the reference keeps
+it in FP32), so ``dh`` sees ``h`` rounded to BF16. ``Format.HYBRID`` quantizes the gradients (dy,
+dh) to E5M2: the dgrad and wgrad GEMMs then multiply E5M2 by E4M3 (a mixed FP8 wgmma).
+
+Sync-free: no host reads of device data, no data-dependent shapes (buffers sized for the worst case).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+import triton
+
+from .schedule import build_schedule, max_m_tiles
+
+# dtype of the saved FC1 output h (None: x's dtype). Tests set torch.float32 to compare with the reference.
+H_DTYPE: Optional[torch.dtype] = None
+# Allocator of every kernel buffer (tests replace it to poison buffers with NaN).
+ALLOC = torch.empty
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeKernels:
+    """What one recipe's package provides to :class:`BlockScaledExpertMLP`.
+
+    ``quantize_rows(x, schedule, E, spec, rowwise=, colwise=, alloc=, col_sums=)`` and
+    ``new_rows(T, width, like, spec, E, rowwise, colwise, alloc)`` return / allocate ``rows``
+    objects (``data``, ``scale``, ``data_t``, ``scale_t``); ``gemm`` has ``launch`` and
+    ``default_config``; ``grouped_wgrad(g_rows, x_rows, schedule, dw)``; ``specs_of(recipe)`` gives
+    the (x/a/weights, gradients) element specs; ``unsupported(recipe)`` None or the reason."""
+
+    recipe_name: str
+    tile: int  # schedule M tile; H and F must be multiples of it
+    weight_cache: Any
+    quantize_rows: Callable
+    new_rows: Callable
+    rows: type
+    gemm: Any
+    grouped_wgrad: Callable
+    tile_sums_to_experts: Callable
+    specs_of: Callable
+    unsupported: Callable
+
+    def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
+        """None if the kernels take these sizes (whole tiles along every reduction), else the reason."""
+        for arg, what, size in (("w1", "hidden", hidden), ("w2", "FFN", ffn)):
+            if size % self.tile:
+                return (f"{arg}: backend='triton' with {self.recipe_name} needs the {what} size to be a multiple "
+                        f"of {self.tile}, got {size}; use backend='reference'")
+        return None
+
+    def expert_mlp(self, args) -> torch.Tensor:
+        """Entry from the backend (``ExpertMLPArgs``)."""
+        reason = self.check_shapes(args.hidden_size, args.ffn_hidden_size)
+        if reason is not None:
+            raise ValueError(reason)
+        return BlockScaledExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2,
+                                          args.probs, args.activation, self.specs_of(args.recipe), self)
+
+
+def _new(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+class BlockScaledExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs, kernels: RecipeKernels):
+        spec, grad_spec = specs  # x, a and weights; gradients (E5M2 under Format.HYBRID)
+        k = kernels
+        need = ctx.needs_input_grad
+        num_rows, hidden = x.shape
+        num_experts, n1, _ = w1.shape
+        ffn = w2.shape[2]
+        act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
+        y = _new((num_rows, hidden), x)
+        ctx.act, ctx.grad_spec, ctx.kernels = act, grad_spec, k
+        if num_rows == 0:
+            ctx.empty = True
+            ctx.save_for_backward(x, w1, w2, probs)
+            return y
+        ctx.empty = False
+        schedule = build_schedule(tokens_per_expert, num_rows, k.tile)
+        w1q = k.weight_cache.get(w1, spec)
+        w2q = k.weight_cache.get(w2, spec)
+        xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=ALLOC)
+        h = _new((num_rows, n1), x, H_DTYPE or x.dtype)
+        aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC)
+        k.gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, ffn, schedule, num_experts, spec, q=aq, h=h,
+                      h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs, **act)
+        k.gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, hidden, schedule, num_experts, spec, c=y,
+                      bias=b2)
+        # x itself is not kept: backward reads only its columnwise FP8 copy (and x's shape)
+        ctx.save_for_backward(w1, w2, probs, h)
+        ctx.x_shape = x.shape
+        ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+        ctx.x_cols = k.rows(data_t=xq.data_t, scale_t=xq.scale_t)
+        ctx.a_cols = k.rows(data_t=aq.data_t, scale_t=aq.scale_t)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, specs, kernels
+        if ctx.empty:
+            x, w1, w2, probs = ctx.saved_tensors
+            zeros = lambda t, n: torch.zeros_like(t) if n else None
+            return (zeros(x, need[0]), None, zeros(w1, need[2]), zeros(w2, need[3]),
+                    torch.zeros((w1.shape[0], w1.shape[1]), device=x.device, dtype=x.dtype) if need[4] else None,
+                    torch.zeros((w1.shape[0], x.shape[1]), device=x.device, dtype=x.dtype) if need[5] else None,
+                    zeros(probs, need[6]) if probs is not None else None, None, None, None)
+        w1, w2, probs, h = ctx.saved_tensors
+        k = ctx.kernels
+        like = w1  # new buffers like x: same dtype and device (validated)
+        spec, schedule = ctx.grad_spec, ctx.schedule
+        dy = dy.contiguous()
+        num_rows, hidden = ctx.x_shape
+        num_experts, n1, _ = w1.shape
+        ffn = w2.shape[2]
+        m_tiles = max_m_tiles(num_rows, num_experts, k.tile)
+        want_dprob = probs is not None and need[6]
+        need_dact = need[0] or need[2] or need[4] or want_dprob
+        dx = dw1 = dw2 = db1 = db2 = dprobs = None
+
+        # the dy quantize pass also writes per-tile column sums of dy: db2 without another read of dy
+        db2_parts = _new((m_tiles, hidden), like, torch.float32) if need[5] else None
+        dyq = k.quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=ALLOC,
+                              col_sums=db2_parts)
+        dhq = None
+        if need_dact:
+            dhq = k.new_rows(num_rows, n1, like, spec, num_experts, need[0], need[2], ALLOC)
+            cfg = k.gemm.default_config("dact")
+            dprob_buf = _new((triton.cdiv(ffn, cfg.block_n), num_rows), like, torch.float32) if want_dprob else None
+            dbias_buf = _new((m_tiles, n1), like, torch.float32) if need[4] else None
+            k.gemm.launch("dact", dyq.data, dyq.scale, ctx.w2q.data_t, ctx.w2q.scale_t, ffn, schedule, num_experts,
+                          spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
+                          dbias=dbias_buf, config=cfg, **ctx.act)
+            if want_dprob:
+                dprobs = dprob_buf.sum(0).to(probs.dtype)
+            if need[4]:
+                db1 = _new((num_experts, n1), like)
+                k.tile_sums_to_experts(dbias_buf, schedule, db1)
+        if need[0]:
+            dx = _new((num_rows, hidden), like)
+            k.gemm.launch("dgrad", dhq.data, dhq.scale, ctx.w1q.data_t, ctx.w1q.scale_t, hidden, schedule,
+                          num_experts, spec, c=dx)
+        if need[3]:
+            dw2 = _new(w2.shape, w2)
+            k.grouped_wgrad(k.rows(data_t=dyq.data_t, scale_t=dyq.scale_t), ctx.a_cols, schedule, dw2)
+        if need[5]:
+            db2 = _new((num_experts, hidden), like)
+            k.tile_sums_to_experts(db2_parts, schedule, db2)
+        if need[2]:
+            dw1 = _new(w1.shape, w1)
+            k.grouped_wgrad(k.rows(data_t=dhq.data_t, scale_t=dhq.scale_t), ctx.x_cols, schedule, dw1)
+        return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None
