@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .act_math import ACT_IDS, act_backward, act_forward, to_output
-from .schedule import build_schedule, max_m_tiles
+from .schedule import build_schedule, max_m_tiles, swizzle
 
 MODE_PLAIN, MODE_ACT_FWD, MODE_ACT_BWD = 0, 1, 2
 
@@ -150,7 +150,7 @@ def grouped_gemm_kernel(
                 first_id = expert_ids + (pid + NUM_PROGRAMS - expert_ids % NUM_PROGRAMS) % NUM_PROGRAMS
                 end_id, first_m, band_tiles = total_tiles * num_pid_n, expert_tiles, total_tiles - expert_tiles
             for tile_id in tl.range(first_id, end_id, NUM_PROGRAMS, flatten=FLATTEN and phase == 0):
-                pid_m, pid_n = _swizzle(tile_id - first_m * num_pid_n, band_tiles, num_pid_n, GROUP_M)
+                pid_m, pid_n = swizzle(tile_id - first_m * num_pid_n, band_tiles, num_pid_n, GROUP_M)
                 _gemm_tile(
                     first_m + pid_m, pid_n, a_src, stride_am, stride_ak, b_src, stride_be, stride_bk, stride_bn,
                     b_up_offset, B_ROWS, c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr,
@@ -161,7 +161,7 @@ def grouped_gemm_kernel(
     else:
         # one program per tile of the worst-case grid: GROUP_M swizzle for L2 reuse of B; programs past
         # the last tile exit at once
-        pid_m, pid_n = _swizzle(pid, MAX_M_TILES, num_pid_n, GROUP_M)
+        pid_m, pid_n = swizzle(pid, MAX_M_TILES, num_pid_n, GROUP_M)
         total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
         if pid_m >= total_tiles:
             return
@@ -171,19 +171,6 @@ def grouped_gemm_kernel(
             probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, T, N, K, alpha, limit, NUM_GROUPS, MODE, ACT,
             GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR,
             SPLIT_EPILOGUE, UPCAST, False, GATE_UP_BOX, BM, BN, BK)
-
-
-@triton.jit
-def _swizzle(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Tile id -> (M tile, N tile): bands of GROUP_M M tiles walked column by column, so that the
-    programs running together share B's column blocks in L2."""
-    pids_per_band = GROUP_M * num_pid_n
-    band = tile_id // pids_per_band
-    first_m = band * GROUP_M
-    band_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % pids_per_band) % band_m
-    pid_n = (tile_id % pids_per_band) // band_m
-    return pid_m, pid_n
 
 
 @triton.jit

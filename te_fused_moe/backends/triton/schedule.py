@@ -13,6 +13,8 @@ search over ``tile_end`` would cost log2(E) dependent loads before the first GEM
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 # The schedule is one flat int32 tensor: four [E + 1] rows (indices below), then the tile -> group map.
 TILE_START, TILE_END, ROW_START, ROW_END = range(4)
@@ -49,3 +51,35 @@ def build_schedule(tokens_per_expert: torch.Tensor, num_rows: int, block_m: int)
 def schedule_table(schedule: torch.Tensor, num_experts: int) -> torch.Tensor:
     """The ``[4, E + 1]`` part of a schedule (for tests and debugging)."""
     return schedule[: NUM_TABLE_ROWS * (num_experts + 1)].view(NUM_TABLE_ROWS, num_experts + 1)
+
+
+@triton.jit
+def swizzle(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile id -> (M tile, N tile): bands of GROUP_M M tiles walked column by column, so that the
+    programs running together share B's column blocks in L2."""
+    pids_per_band = GROUP_M * num_pid_n
+    band = tile_id // pids_per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % pids_per_band) % band_m
+    pid_n = (tile_id % pids_per_band) // band_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def total_tiles(sched_ptr, NUM_GROUPS):
+    """How many M tiles the schedule has (programs of the worst-case grid past it exit)."""
+    return tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)  # tile_end of the padding group
+
+
+@triton.jit
+def tile_rows(sched_ptr, pid_m, BM: tl.constexpr, NUM_GROUPS):
+    """M tile ``pid_m``'s group, its first row and its group's end row (its rows are
+    ``[row0, min(row0 + BM, row_end))``)."""
+    # rows of the flat schedule (jit code sees literals, not the module's ints): 0 tile_start,
+    # 2 row_start, 3 row_end, 4 the tile -> group map
+    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
+    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
+    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
+    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
+    return group, row_start + (pid_m - tile_start) * BM, row_end

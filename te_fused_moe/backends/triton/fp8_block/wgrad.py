@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ..act_math import to_output
 from ..grouped_gemm import interpreting
+from ..schedule import swizzle
 from . import gemm as fp8_gemm
 from .quantize import BLOCK, QuantizedRows
 
@@ -55,14 +56,7 @@ def fp8_wgrad_kernel(
 ):
     pid = tl.program_id(0)
     expert = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BN)
-    num_pid_k = tl.cdiv(K, BK)
-    pids_per_band = GROUP_N * num_pid_k
-    band = pid // pids_per_band
-    first_n = band * GROUP_N
-    band_n = tl.minimum(num_pid_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % pids_per_band) % band_n
-    pid_k = (pid % pids_per_band) // band_n
+    pid_n, pid_k = swizzle(pid, tl.cdiv(N, BN), tl.cdiv(K, BK), GROUP_N)
 
     tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + expert)
     tile_end = tl.load(sched_ptr + 1 * NUM_GROUPS + expert)

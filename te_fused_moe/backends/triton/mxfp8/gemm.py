@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
 from ..grouped_gemm import interpreting
-from ..schedule import max_m_tiles
+from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
 
@@ -187,26 +187,12 @@ def mx_grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BN)
-    pids_per_band = GROUP_M * num_pid_n
-    band = pid // pids_per_band
-    first_m = band * GROUP_M
-    band_m = tl.minimum(MAX_M_TILES - first_m, GROUP_M)
-    pid_m = first_m + (pid % pids_per_band) % band_m
-    pid_n = (pid % pids_per_band) // band_m
-
-    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
-    if pid_m >= total_tiles:
+    pid_m, pid_n = swizzle(tl.program_id(0), MAX_M_TILES, tl.cdiv(N, BN), GROUP_M)
+    if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
         return
-    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
+    group, a_row, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
     is_padding = group == NUM_GROUPS - 1
     expert = tl.minimum(group, NUM_GROUPS - 2)
-    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
-    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
-    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
-
-    a_row = row_start + (pid_m - tile_start) * BM
     rows = a_row + tl.arange(0, BM)
     rows_in = tl.minimum(rows, T - 1).to(tl.int64)  # scale loads (and pointer loads) stay in the tensor
     cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)

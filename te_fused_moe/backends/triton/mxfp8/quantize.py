@@ -33,7 +33,7 @@ import triton.language as tl
 from ..fp8_block.codec import encode_fp8, nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
-from ..schedule import max_m_tiles
+from ..schedule import max_m_tiles, tile_rows, total_tiles
 from .codec import mx_scale
 
 MX = 32  # elements per scale block
@@ -157,14 +157,10 @@ def quantize_tiles_kernel(
     FP32 column sums (bias gradients)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    total_tiles = tl.load(sched_ptr + 1 * NUM_GROUPS + NUM_GROUPS - 1)
-    if pid_m >= total_tiles:
+    if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
         return
-    group = tl.load(sched_ptr + 4 * NUM_GROUPS + pid_m)
-    tile_start = tl.load(sched_ptr + 0 * NUM_GROUPS + group)
-    row_start = tl.load(sched_ptr + 2 * NUM_GROUPS + group)
-    row_end = tl.load(sched_ptr + 3 * NUM_GROUPS + group)
-    rows = row_start + (pid_m - tile_start) * BM + tl.arange(0, BM)
+    _, row0, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
+    rows = row0 + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
     row_ok = rows < row_end
     mask = row_ok[:, None] & (cols < K)[None, :]
