@@ -1,21 +1,23 @@
-"""Benchmark of the FP8 block recipe (Float8BlockScaling) on one Hopper GPU, in one process:
+"""Benchmark of the block-scaled FP8 recipes (Float8BlockScaling, MXFP8BlockScaling) on one Hopper
+GPU, in one process:
 
 - ``bf16_unfused``: ``torch._grouped_mm`` FC1 -> activation -> ``torch._grouped_mm`` FC2, autograd backward
-  (:func:`te_fused_moe.bench.unfused_mlp`, the reference point of the target);
+  (:func:`te_fused_moe.bench.unfused_mlp`, the reference point of the FP8 block target);
 - ``bf16_fused``: our BF16 Triton path (``fused_moe_mlp(backend="triton")``);
-- ``fp8_block_unfused``: the same FP8 block recipe without fusion: separate quantize kernels, FP8
-  grouped GEMMs with plain BF16 outputs (our FP8 kernel without its epilogue), activation and its
+- ``<recipe>_unfused`` (``fp8_block``, ``mxfp8``): the same recipe without fusion: separate quantize
+  kernels, our grouped GEMMs of that recipe with plain BF16 outputs (no epilogue), activation and its
   backward as separate PyTorch ops (``a`` and ``dh`` rounded to BF16 before their quantize kernel);
-- ``fp8_rowwise_scaled_grouped_mm``: ``torch._scaled_grouped_mm`` (E4M3, one FP32 scale per row /
-  column, the FP8 grouped GEMM of PyTorch) for all six GEMMs (wgrad: K-grouped 2d x 2d with
-  per-expert scales), quantization and activation as PyTorch ops;
-- ``fp8_block_fused``: ``fused_moe_mlp(recipe=Float8BlockScaling(), backend="triton")``.
+- ``<recipe>_fused``: ``fused_moe_mlp(recipe=..., backend="triton")``;
+- ``fp8_rowwise_scaled_grouped_mm`` (opt-in): ``torch._scaled_grouped_mm`` (E4M3, one FP32 scale per
+  row / column, the FP8 grouped GEMM of PyTorch) for all six GEMMs (wgrad: K-grouped 2d x 2d with
+  per-expert scales), quantization and activation as PyTorch ops.
 
 Forward, backward and forward+backward ms (median), TFLOP/s over routed tokens (fwd+bwd counts 3x the
-forward FLOPs), ratios to ``bf16_unfused``, the target (FP8 block fused fwd+bwd >= 1.5x BF16 unfused),
-peak memory, each FP8 kernel alone, and the weight cache (bytes held, and the per-micro-batch weight
-quantization it saves). Ceilings measured first: cuBLAS BF16 and FP8 (``torch._scaled_mm``) 8192^3.
-Implementations that fail (e.g. a PyTorch without ``_scaled_grouped_mm``) are recorded with their error.
+forward FLOPs), ratios to ``bf16_unfused``, the targets (FP8 block fused fwd+bwd >= 1.5x BF16
+unfused; MXFP8 fused >= 1.3x MXFP8 unfused), peak memory, each kernel of each fused path alone, and
+the weight caches (bytes held, and the per-micro-batch weight quantization they save). Ceilings
+measured first: cuBLAS BF16 and FP8 (``torch._scaled_mm``) 8192^3. Implementations that fail are
+recorded with their error.
 """
 
 from __future__ import annotations
@@ -33,64 +35,75 @@ import torch
 
 from . import bench
 from .activations import ActivationConfig
-from .recipes import Float8BlockScaling
+from .recipes import Float8BlockScaling, MXFP8BlockScaling
 
 FP8_MAX = 448.0
 DEFAULT_SHAPES = ["dsv3-e32", "dsv3-e32-zipf"]
-TARGET = 1.5
+RECIPES = {"fp8_block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling}
+# (implementation, baseline, fwd+bwd speedup asked for): the issue's targets
+TARGETS = [("fp8_block_fused", "bf16_unfused", 1.5), ("mxfp8_fused", "mxfp8_unfused", 1.3)]
+
+
+def recipe_kernels(recipe: str):
+    """The Triton kernels (``block_scaled.RecipeKernels``) and the default E4M3 spec of ``recipe``."""
+    if recipe == "fp8_block":
+        from .backends.triton.fp8_block.autograd import KERNELS
+        from .backends.triton.fp8_block.quantize import FP8Spec
+
+        return KERNELS, FP8Spec()
+    if recipe == "mxfp8":
+        from .backends.triton.mxfp8.autograd import KERNELS
+        from .backends.triton.mxfp8.quantize import MXSpec
+
+        return KERNELS, MXSpec()
+    raise ValueError(f"recipe: expected one of {sorted(RECIPES)}, got {recipe!r}")
 
 
 # --- same recipe, unfused ----------------------------------------------------------------------------
 
-class FP8BlockUnfused(torch.autograd.Function):
-    """Float8BlockScaling without fusion: quantize kernels + plain FP8 GEMMs + PyTorch activation."""
+class BlockScaledUnfused(torch.autograd.Function):
+    """A block-scaled recipe without fusion: quantize kernels + plain grouped GEMMs + PyTorch activation."""
 
     @staticmethod
-    def forward(ctx, x, counts, w1, w2, activation):
-        from .backends.triton.fp8_block import gemm
-        from .backends.triton.fp8_block.quantize import WEIGHT_CACHE, FP8Spec, quantize_rows
+    def forward(ctx, x, counts, w1, w2, activation, recipe):
         from .backends.triton.schedule import build_schedule
 
-        spec = FP8Spec()
+        k, spec = recipe_kernels(recipe)
         act = ActivationConfig(activation)
         T, H = x.shape
         E, n1, _ = w1.shape
-        sched = build_schedule(counts, T, 128)
-        w1q, w2q = WEIGHT_CACHE.get(w1, spec), WEIGHT_CACHE.get(w2, spec)
-        xq = quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
+        sched = build_schedule(counts, T, k.tile)
+        w1q, w2q = k.weight_cache.get(w1, spec), k.weight_cache.get(w2, spec)
+        xq = k.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
         h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
-        gemm.launch("fc2", xq.data, xq.scale, w1q.data, w1q.scale, n1, sched, E, spec, c=h)
+        k.gemm.launch("fc2", xq.data, xq.scale, w1q.data, w1q.scale, n1, sched, E, spec, c=h)
         a = act.forward(h.float()).to(x.dtype)
-        aq = quantize_rows(a, sched, E, spec, rowwise=True, colwise=True)
+        aq = k.quantize_rows(a, sched, E, spec, rowwise=True, colwise=True)
         y = torch.empty(T, H, device=x.device, dtype=x.dtype)
-        gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
+        k.gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
         ctx.save_for_backward(h, w1, w2)
-        ctx.state = (sched, w1q, w2q, xq, aq, act, spec)
+        ctx.state = (k, sched, w1q, w2q, xq, aq, act, spec)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from .backends.triton.fp8_block import gemm
-        from .backends.triton.fp8_block.quantize import quantize_rows
-        from .backends.triton.fp8_block.wgrad import fp8_grouped_wgrad
-
         h, w1, w2 = ctx.saved_tensors
-        sched, w1q, w2q, xq, aq, act, spec = ctx.state
+        k, sched, w1q, w2q, xq, aq, act, spec = ctx.state
         dy = dy.contiguous()
         T, H = dy.shape
         E, n1, _ = w1.shape
         F = w2.shape[2]
-        dyq = quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
+        dyq = k.quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
         da = torch.empty(T, F, device=dy.device, dtype=dy.dtype)
-        gemm.launch("fc2", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, c=da)
+        k.gemm.launch("dgrad", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, c=da)
         dh = act.backward(h.float(), da.float()).to(dy.dtype)
-        dhq = quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True)
+        dhq = k.quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True)
         dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
-        gemm.launch("fc2", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
+        k.gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        fp8_grouped_wgrad(dyq, aq, sched, dw2)
-        fp8_grouped_wgrad(dhq, xq, sched, dw1)
-        return dx, None, dw1, dw2, None
+        k.grouped_wgrad(dyq, aq, sched, dw2)
+        k.grouped_wgrad(dhq, xq, sched, dw1)
+        return dx, None, dw1, dw2, None, None
 
 
 # --- PyTorch's FP8 grouped GEMM (rowwise scales) ------------------------------------------------------
@@ -164,18 +177,23 @@ class FP8RowwiseScaledGroupedMM(torch.autograd.Function):
         return dx, None, dw1, dw2, None
 
 
-def _fp8_block_fused(x, counts, w1, w2, activation):
-    from .ops import fused_moe_mlp
+def _fused(recipe: str):
+    def run(x, counts, w1, w2, activation):
+        from .ops import fused_moe_mlp
 
-    return fused_moe_mlp(x, counts, w1, w2, activation=activation, recipe=Float8BlockScaling(), backend="triton")
+        return fused_moe_mlp(x, counts, w1, w2, activation=activation, recipe=RECIPES[recipe](), backend="triton")
+
+    return run
 
 
-IMPLEMENTATIONS = {
-    "bf16_unfused": bench.unfused_mlp,
-    "bf16_fused": bench.fused_mlp,
-    "fp8_block_unfused": lambda x, c, w1, w2, act: FP8BlockUnfused.apply(x, c, w1, w2, act),
-    "fp8_block_fused": _fp8_block_fused,
-}
+def _unfused(recipe: str):
+    return lambda x, counts, w1, w2, activation: BlockScaledUnfused.apply(x, counts, w1, w2, activation, recipe)
+
+
+IMPLEMENTATIONS = {"bf16_unfused": bench.unfused_mlp, "bf16_fused": bench.fused_mlp}
+for _recipe in RECIPES:
+    IMPLEMENTATIONS[f"{_recipe}_unfused"] = _unfused(_recipe)
+    IMPLEMENTATIONS[f"{_recipe}_fused"] = _fused(_recipe)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in
 # _scaled_grouped_mm on the H200 (torch 2.11, GroupMMCommon.cuh:64, "dynamic dimension byte size ...
 # multiple of 16"), which kills the CUDA context and the whole run; the wgrad operands are now padded
@@ -203,63 +221,59 @@ def bench_impl(name: str, shape: bench.Shape, inputs, peak: float) -> Dict:
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
 
 
-def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
-                      wgrad_config=None, only_gemms: bool = False,
-                      quantize_warps: Optional[int] = None,
-                      quantize_maxnreg: Optional[int] = None) -> Dict[str, Dict[str, float]]:
-    """Each kernel of the fused FP8 block path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize); optionally
-    with given block configs (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU dgrad)."""
-    from .backends.triton.fp8_block import gemm
-    from .backends.triton.fp8_block.quantize import new_rows
-    from .backends.triton.fp8_block.quantize import FP8Spec, quantize_rows, quantize_weight
-    from .backends.triton.fp8_block.wgrad import fp8_grouped_wgrad
+def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
+                  wgrad_config=None, quantize_warps: Optional[int] = None,
+                  quantize_maxnreg: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+    """Each kernel of ``recipe``'s fused path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize: BF16 read,
+    FP8 rowwise + columnwise written; scales not counted); optionally with given block configs
+    (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU, ``wgrad_config``) and, for the
+    FP8 block quantize kernel, warps and a register cap."""
+    import triton
+
     from .backends.triton.schedule import build_schedule
 
+    k, spec = recipe_kernels(recipe)
     act = ActivationConfig(shape.activation)
-    x, w1, w2, counts, dy = (inputs[k] for k in ("x", "w1", "w2", "counts", "dy"))
+    x, w1, w2, counts, dy = (inputs[name] for name in ("x", "w1", "w2", "counts", "dy"))
     T, H, F, E, n1 = x.shape[0], shape.hidden, shape.ffn, shape.experts, w1.shape[1]
     routed = int(counts.sum())
-    spec = FP8Spec()
     kw = dict(activation=act.name, alpha=act.alpha, limit=act.limit, gated=act.gated)
-    sched = build_schedule(counts, T, 128)
-    w1q, w2q = quantize_weight(w1, spec), quantize_weight(w2, spec)
-    xq = quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
-    dyq = quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
+    sched = build_schedule(counts, T, k.tile)
+    quantize_kw = {} if recipe != "fp8_block" else dict(num_warps=quantize_warps, maxnreg=quantize_maxnreg)
+    quantize = lambda t: k.quantize_rows(t, sched, E, spec, rowwise=True, colwise=True, **quantize_kw)
+    w1q, w2q = k.quantize_weight(w1, spec), k.quantize_weight(w2, spec)
+    xq, dyq = quantize(x), quantize(dy)
     h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
-    aq = new_rows(T, F, x, spec, E, True, True)
-    dhq = new_rows(T, n1, x, spec, E, True, True)
+    aq = k.new_rows(T, F, x, spec, E, True, True, torch.empty)
+    dhq = k.new_rows(T, n1, x, spec, E, True, True, torch.empty)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    dprob = torch.empty(F // 128, T, device=x.device, dtype=torch.float32)
+    dprob = torch.empty(triton.cdiv(F, (epilogue_config or k.gemm.default_config("dact")).block_n), T,
+                        device=x.device, dtype=torch.float32)
     probs = torch.rand(T, device=x.device) + 0.05
-    gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
-                b_up_rows=F, **kw)
+    launch = k.gemm.launch
+    launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F, b_up_rows=F,
+           **kw)
     kernels = {
-        "quantize_x_row_col": (lambda: quantize_rows(x, sched, E, spec, rowwise=True, colwise=True,
-                                                     num_warps=quantize_warps, maxnreg=quantize_maxnreg), None,
-                               T * H * 4.0),
-        "quantize_weights": (lambda: (quantize_weight(w1, spec), quantize_weight(w2, spec)), None,
+        "quantize_x_row_col": (lambda: quantize(x), None, T * H * 4.0),
+        "quantize_weights": (lambda: (k.quantize_weight(w1, spec), k.quantize_weight(w2, spec)), None,
                              (w1.numel() + w2.numel()) * 4.0),
-        "fc1_glu_quant": (lambda: gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq,
-                                              h=h, h_up_offset=F, b_up_rows=F, config=epilogue_config, **kw),
+        "fc1_glu_quant": (lambda: launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq,
+                                         h=h, h_up_offset=F, b_up_rows=F, config=epilogue_config, **kw),
                           2.0 * routed * H * n1, None),
-        "fc2": (lambda: gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y,
-                                    config=gemm_config), 2.0 * routed * F * H, None),
-        "quantize_dy_row_col": (lambda: quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True,
-                                                      num_warps=quantize_warps, maxnreg=quantize_maxnreg), None,
-                                T * H * 4.0),
-        "fc2_dgrad_dglu_quant": (lambda: gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E,
-                                                     spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
-                                                     dprob=dprob, config=epilogue_config, **kw),
+        "fc2": (lambda: launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y,
+                               config=gemm_config), 2.0 * routed * F * H, None),
+        "quantize_dy_row_col": (lambda: quantize(dy), None, T * H * 4.0),
+        "fc2_dgrad_dglu_quant": (lambda: launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E,
+                                                spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
+                                                dprob=dprob, config=epilogue_config, **kw),
                                  2.0 * routed * H * F, None),
-        "fc1_dgrad": (lambda: gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec,
-                                          c=dx, config=gemm_config), 2.0 * routed * n1 * H, None),
-        "wgrad_w2": (lambda: fp8_grouped_wgrad(dyq, aq, sched, dw2, config=wgrad_config), 2.0 * routed * H * F, None),
-        "wgrad_w1": (lambda: fp8_grouped_wgrad(dhq, xq, sched, dw1, config=wgrad_config), 2.0 * routed * n1 * H,
+        "fc1_dgrad": (lambda: launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec,
+                                     c=dx, config=gemm_config), 2.0 * routed * n1 * H, None),
+        "wgrad_w2": (lambda: k.grouped_wgrad(dyq, aq, sched, dw2, config=wgrad_config), 2.0 * routed * H * F, None),
+        "wgrad_w1": (lambda: k.grouped_wgrad(dhq, xq, sched, dw1, config=wgrad_config), 2.0 * routed * n1 * H,
                      None),
     }
-    if only_gemms:
-        kernels = {k: v for k, v in kernels.items() if v[1]}
     out = {}
     for name, (fn, flops, nbytes) in kernels.items():
         try:
@@ -271,56 +285,71 @@ def bench_fp8_kernels(shape: bench.Shape, inputs, fp8_peak: float, gemm_config=N
             if nbytes:
                 entry["gbps"] = nbytes / ms / 1e6
             out[name] = entry
-        except Exception as exc:
+        except Exception as exc:  # recorded: the other kernels still run
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-def fp8_variants(shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
-    """The FP8 GEMM kernels under a few block configs (to choose the defaults on the device)."""
-    from .backends.triton.fp8_block.gemm import FP8GemmConfig as G
-    from .backends.triton.fp8_block.wgrad import FP8WgradConfig as W
+def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
+    """The kernels of ``recipe`` under a few block configs (to choose the defaults on the device)."""
+    if recipe == "fp8_block":
+        from .backends.triton.fp8_block.gemm import FP8GemmConfig as G
+        from .backends.triton.fp8_block.wgrad import FP8WgradConfig as W
 
-    variants = {
-        "default": {},
-        # quantize: register caps that let two CTAs share an SM (one's loads under the other's math)
-        "quantize_w8_r128": dict(quantize_warps=8, quantize_maxnreg=128),
-        "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),
-        "quantize_w4_r128": dict(quantize_warps=4, quantize_maxnreg=128),
-    }
-    # measured before (run 11, benchmarks/results/run11_fp8_speed/): 128x64 wgrad tiles at 4 warps
-    # (now the default) vs 128x128 at 8 warps; FC2 / FC1 dgrad at 128x64 (mixed, not adopted); the
-    # dGLU epilogue in halves (default) vs unsplit vs two passes
+        configs = {
+            "default": {},
+            # quantize: register caps that let two CTAs share an SM (one's loads under the other's math)
+            "quantize_w8_r128": dict(quantize_warps=8, quantize_maxnreg=128),
+            "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),
+            "quantize_w4_r128": dict(quantize_warps=4, quantize_maxnreg=128),
+        }
+        # measured before (run 11, benchmarks/results/run11_fp8_speed/): 128x64 wgrad tiles at 4 warps
+        # (now the default) vs 128x128 at 8 warps; FC2 / FC1 dgrad at 128x64 (mixed, not adopted); the
+        # dGLU epilogue in halves (default) vs unsplit vs two passes
+    else:
+        from .backends.triton.mxfp8.gemm import MXGemmConfig as G
+        from .backends.triton.mxfp8.wgrad import MXWgradConfig as W
+
+        configs = {
+            "default": {},
+            "plain_128x128_w8": dict(gemm_config=G(block_n=128, num_warps=8, num_stages=4)),
+            "epi_128x128_w8": dict(epilogue_config=G(block_n=128, num_warps=8, num_stages=3)),
+            "wgrad_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4)),
+            "wgrad_128x64_w4": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=4, num_stages=3)),
+        }
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)
     fp8_peak = fp8_ceiling_tflops()
-    return {name: bench_fp8_kernels(shape, inputs, fp8_peak, **kw) for name, kw in variants.items()}
+    return {name: bench_kernels(recipe, shape, inputs, fp8_peak, **kw) for name, kw in configs.items()}
 
 
-def weight_cache_report(inputs) -> Dict[str, float]:
-    """What the per-step weight cache holds and what it saves per micro-batch (one quantization of both
-    weights, both layouts), vs re-quantizing every micro-batch."""
-    from .backends.triton.fp8_block.quantize import FP8Spec, WeightCache
-
-    cache = WeightCache(follow_optimizer_steps=False)
-    spec = FP8Spec()
-    w1, w2 = inputs["w1"], inputs["w2"]
-    bf16_bytes = (w1.numel() + w2.numel()) * w1.element_size()
-    cache.get(w1, spec), cache.get(w2, spec)
-    requantize_ms = bench.do_bench_ms(lambda: (cache.clear(), cache.get(w1, spec), cache.get(w2, spec)))
-    hit_ms = bench.do_bench_ms(lambda: (cache.get(w1, spec), cache.get(w2, spec)))
-    # what each fused path keeps for backward (bytes), besides the weights
+def weight_cache_report(inputs) -> Dict[str, Dict]:
+    """Per recipe, what the per-step weight cache holds and what it saves per micro-batch (one
+    quantization of both weights, both layouts), vs re-quantizing every micro-batch; and what each
+    fused path keeps for backward besides the weights."""
+    from .backends.triton.fp8_block.quantize import WeightCache
     from .backends.triton.schedule import max_m_tiles
 
+    w1, w2 = inputs["w1"], inputs["w2"]
     T, H = inputs["x"].shape
     n1, F = w1.shape[1], w2.shape[2]
     slots = 128 * max_m_tiles(T, w1.shape[0], 128)
-    saved = {"bf16_fused": 2 * T * H + 2 * T * n1 + 2 * T * F,  # x, h, a
-             "fp8_block_fused": 2 * T * n1 + (H + F) * slots + 4 * (H + F) * (slots // 128)}  # h, x/a columnwise
-    return {"bf16_weight_bytes": bf16_bytes, "fp8_cache_bytes": cache.nbytes, "saved_for_backward_bytes": saved,
-            "requantize_ms_per_microbatch": requantize_ms, "cache_hit_ms": hit_ms,
-            "note": "the cache keeps w and w^T in FP8 (1 byte each) + 128x128 scales: as many bytes as the "
-                    "BF16 weights; each cached micro-batch skips requantize_ms of weight quantization"}
+    out = {"bf16_weight_bytes": (w1.numel() + w2.numel()) * w1.element_size(),
+           "saved_for_backward_bytes": {"bf16_fused": 2 * T * H + 2 * T * n1 + 2 * T * F}}  # x, h, a
+    # h, the columnwise FP8 copies of x and a, their scales (FP32 per 128 tokens / E8M0 per 32)
+    scale_bytes = {"fp8_block": 4 * (H + F) * (slots // 128), "mxfp8": (H + F) * (slots // 32)}
+    for recipe in RECIPES:
+        k, spec = recipe_kernels(recipe)
+        cache = WeightCache(follow_optimizer_steps=False, quantize_fn=k.quantize_weight)
+        cache.get(w1, spec), cache.get(w2, spec)
+        out[recipe] = {
+            "cache_bytes": cache.nbytes,
+            "requantize_ms_per_microbatch": bench.do_bench_ms(
+                lambda: (cache.clear(), cache.get(w1, spec), cache.get(w2, spec))),
+            "cache_hit_ms": bench.do_bench_ms(lambda: (cache.get(w1, spec), cache.get(w2, spec))),
+        }
+        out["saved_for_backward_bytes"][f"{recipe}_fused"] = 2 * T * n1 + (H + F) * slots + scale_bytes[recipe]
+    return out
 
 
 def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = True,
@@ -341,8 +370,9 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "recipe": dataclasses.asdict(Float8BlockScaling()) | {"fp8_format": "E4M3"},
-        "ceilings": ceilings, "target": f"fp8_block_fused fwd+bwd >= {TARGET}x bf16_unfused", "shapes": {},
+        "recipes": {name: dataclasses.asdict(cls()) | {"fp8_format": "E4M3"} for name, cls in RECIPES.items()},
+        "ceilings": ceilings, "shapes": {},
+        "targets": [f"{impl} fwd+bwd >= {x}x {base}" for impl, base, x in TARGETS],
     }
     for name in shape_names:
         if time.time() - start > budget_s:
@@ -366,13 +396,18 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         entry["y_rel_err_vs_bf16_unfused"] = {
             impl: float((y[:routed] - ref[:routed]).norm() / ref[:routed].norm().clamp_min(1e-30))
             for impl, y in ys.items() if ref is not None}
-        if "fp8_block_fused" in ys and "fp8_block_unfused" in ys:
-            a, b = ys["fp8_block_fused"][:routed], ys["fp8_block_unfused"][:routed]
-            entry["y_rel_err_fp8_fused_vs_unfused"] = float((a - b).norm() / b.norm().clamp_min(1e-30))
-        fused = entry["ratio_vs_bf16_unfused"].get("fp8_block_fused", {}).get("fwd_bwd")
-        entry["target_met"] = None if fused is None else bool(fused >= TARGET)
+        for recipe in RECIPES:  # the fused path vs the same recipe unfused (same quantized operands)
+            if f"{recipe}_fused" in ys and f"{recipe}_unfused" in ys:
+                a, b = ys[f"{recipe}_fused"][:routed], ys[f"{recipe}_unfused"][:routed]
+                entry[f"y_rel_err_{recipe}_fused_vs_unfused"] = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        entry["targets"] = {}
+        for impl, baseline, wanted in TARGETS:
+            if "fwd_bwd_ms" in entry.get(impl, {}) and "fwd_bwd_ms" in entry.get(baseline, {}):
+                speedup = entry[baseline]["fwd_bwd_ms"] / entry[impl]["fwd_bwd_ms"]
+                entry["targets"][f"{impl} vs {baseline}"] = {"speedup": speedup, "wanted": wanted,
+                                                             "met": bool(speedup >= wanted)}
         if kernels and time.time() - start < budget_s:
-            entry["fp8_kernels"] = bench_fp8_kernels(shape, inputs, fp8_peak)
+            entry["kernels"] = {recipe: bench_kernels(recipe, shape, inputs, fp8_peak) for recipe in RECIPES}
             entry["weight_cache"] = weight_cache_report(inputs)
         report["shapes"][name] = entry
         del inputs, ys
@@ -387,12 +422,13 @@ def summary_table(report: Dict) -> str:
     c = report["ceilings"]
     lines = [f"{report['gpu']}  torch {report['torch']}  triton {report['triton']}  cuBLAS bf16 "
              f"{c['bf16_gemm_tflops']:.0f} / fp8 {c.get('fp8_gemm_tflops', float('nan')):.0f} TFLOP/s  "
-             f"copy {c['d2d_copy_tbps']:.2f} TB/s   target: {report['target']}"]
+             f"copy {c['d2d_copy_tbps']:.2f} TB/s   targets: {'; '.join(report['targets'])}"]
     for name, e in report["shapes"].items():
         if "skipped" in e:
             lines.append(f"{name}: skipped ({e['skipped']})")
             continue
-        lines.append(f"\n{name}  (target met: {e.get('target_met')})")
+        met = ", ".join(f"{k}: {v['speedup']:.2f}x (want {v['wanted']}x)" for k, v in e.get("targets", {}).items())
+        lines.append(f"\n{name}  ({met})")
         lines.append(f"  {'implementation':32} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b TFLOP/s':>11} "
                      f"{'x fwd':>6} {'x bwd':>6} {'x f+b':>6} {'mem GiB':>8} {'y err vs bf16':>13}")
         for impl in IMPLEMENTATIONS:
@@ -406,25 +442,26 @@ def summary_table(report: Dict) -> str:
                 f"{ratio.get('fwd', float('nan')):6.2f} {ratio.get('bwd', float('nan')):6.2f} "
                 f"{ratio.get('fwd_bwd', float('nan')):6.2f} {r['peak_mem_gib']:8.2f} "
                 f"{e['y_rel_err_vs_bf16_unfused'].get(impl, float('nan')):13.2e}")
-        if "fp8_kernels" in e:
-            parts = []
-            for k, v in e["fp8_kernels"].items():
-                if "error" in v:
-                    parts.append(f"{k} failed")
-                elif "tflops" in v:
-                    parts.append(f"{k} {v['ms']:.3f} ms {v['tflops']:.0f} TF/s")
-                else:
-                    parts.append(f"{k} {v['ms']:.3f} ms {v['gbps']:.0f} GB/s")
-            lines.append("  kernels: " + "; ".join(parts))
-        if "weight_cache" in e:
-            w = e["weight_cache"]
-            lines.append(f"  weight cache: {w['fp8_cache_bytes'] / 2**30:.2f} GiB held (bf16 weights "
-                         f"{w['bf16_weight_bytes'] / 2**30:.2f} GiB); saves {w['requantize_ms_per_microbatch']:.3f} ms "
-                         f"of weight quantization per micro-batch (hit {w['cache_hit_ms'] * 1e3:.1f} us)")
-            sv = w["saved_for_backward_bytes"]
-            lines.append(f"  saved for backward: bf16 fused {sv['bf16_fused'] / 2**30:.2f} GiB (x, h, a), fp8 block fused "
-                         f"{sv['fp8_block_fused'] / 2**30:.2f} GiB (h, FP8 columnwise x and a)")
+        for recipe, kernels in e.get("kernels", {}).items():
+            lines.append(f"  {recipe} kernels: " + "; ".join(_kernel_summary(k, v) for k, v in kernels.items()))
+        w = e.get("weight_cache")
+        if w:
+            for recipe in RECIPES:
+                lines.append(f"  {recipe} weight cache: {w[recipe]['cache_bytes'] / 2**30:.2f} GiB held (bf16 weights "
+                             f"{w['bf16_weight_bytes'] / 2**30:.2f} GiB); saves "
+                             f"{w[recipe]['requantize_ms_per_microbatch']:.3f} ms of weight quantization per "
+                             f"micro-batch (hit {w[recipe]['cache_hit_ms'] * 1e3:.1f} us)")
+            lines.append("  saved for backward (GiB): " + ", ".join(
+                f"{k} {v / 2**30:.2f}" for k, v in w["saved_for_backward_bytes"].items()))
     return "\n".join(lines)
+
+
+def _kernel_summary(name: str, v: Dict) -> str:
+    if "error" in v:
+        return f"{name} failed"
+    if "tflops" in v:
+        return f"{name} {v['ms']:.3f} ms {v['tflops']:.0f} TF/s"
+    return f"{name} {v['ms']:.3f} ms {v['gbps']:.0f} GB/s"
 
 
 def save(report: Dict, out_dir: str) -> str:
@@ -447,8 +484,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"comma-separated from {sorted(bench.SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the text table")
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
-    parser.add_argument("--variants", action="store_true",
-                        help="instead: time the FP8 GEMM kernels under a few block configs (first shape only)")
+    parser.add_argument("--variants", choices=sorted(RECIPES),
+                        help="instead: time that recipe's kernels under a few block configs (first shape only)")
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help=f"comma-separated from {sorted(RECIPES)}: which recipes' implementations to time")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="start no new shape (nor the kernel timings) after this many seconds")
     parser.add_argument("--with-scaled-grouped-mm", action="store_true",
@@ -463,14 +502,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the benchmark times FP8 kernels on a CUDA GPU (Hopper)")
     if args.variants:
-        result = fp8_variants(names[0])
+        result = variants(args.variants, names[0])
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"fp8_variants_{names[0]}.json"), "w") as f:
+        with open(os.path.join(args.out, f"{args.variants}_variants_{names[0]}.json"), "w") as f:
             json.dump(result, f, indent=1)
         for variant, kernels in result.items():
-            print(variant, "  ".join(f"{k} {v['ms']:.3f}ms {v.get('tflops', 0):.0f}TF" if "ms" in v else f"{k} FAILED"
-                                     for k, v in kernels.items()))
+            print(variant, "  ".join(_kernel_summary(k, v) for k, v in kernels.items()))
         return 0
+    chosen = args.recipes.split(",")
+    if set(chosen) - set(RECIPES):
+        parser.error(f"--recipes: unknown {sorted(set(chosen) - set(RECIPES))}; expected names from {sorted(RECIPES)}")
+    for recipe in set(RECIPES) - set(chosen):
+        del IMPLEMENTATIONS[f"{recipe}_unfused"], IMPLEMENTATIONS[f"{recipe}_fused"]
+        del RECIPES[recipe]
     report = run(names, out_dir=args.out, kernels=not args.no_kernels, budget_s=args.budget_s)
     print(summary_table(report))
     return 0

@@ -30,7 +30,7 @@ What is checked, and the bounds:
    Every buffer is poisoned (NaN) before the kernels write it.
 5. Dispatch and validation: shapes the kernels do not take raise naming the argument, ``auto``
    falls back to the reference, recipe subsets are named; the benchmark's unfused baseline
-   (``te_fused_moe/bench_mxfp8.py``) computes the same recipe as the fused path.
+   (``te_fused_moe/bench_recipes.py``) computes the same recipe as the fused path.
 """
 
 from __future__ import annotations
@@ -500,14 +500,14 @@ def check_bench_baseline(device: str) -> dict:
     rounding ``a`` and ``dh`` to BF16 before their quantize kernels (which moves a few FP8 codes)."""
     from moe_reference import random_problem, rel_err
 
-    from te_fused_moe import bench_mxfp8
+    from te_fused_moe import bench_recipes
 
     p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, routing="empty", padding=0, seed=2)
     p["tokens_per_expert"][-1] += p["x"].shape[0] - int(p["tokens_per_expert"].sum())  # the bench routes every row
     outs = {}
     for name in ("mxfp8_unfused", "mxfp8_fused"):
         x, w1, w2 = (p[k].clone().requires_grad_(True) for k in ("x", "w1", "w2"))
-        y = getattr(bench_mxfp8, name)(x, p["tokens_per_expert"], w1, w2, "swiglu")
+        y = bench_recipes.IMPLEMENTATIONS[name](x, p["tokens_per_expert"], w1, w2, "swiglu")
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=y.dtype))
         outs[name] = {"y": y, "x": x.grad, "w1": w1.grad, "w2": w2.grad}
     return {k: rel_err(outs["mxfp8_unfused"][k], outs["mxfp8_fused"][k]) for k in outs["mxfp8_fused"]}

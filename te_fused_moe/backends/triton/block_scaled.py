@@ -42,8 +42,9 @@ ALLOC = torch.empty
 
 @dataclasses.dataclass(frozen=True)
 class RecipeKernels:
-    """What one recipe's package provides to :class:`BlockScaledExpertMLP`.
+    """What one recipe's package provides to :class:`BlockScaledExpertMLP` (and to the benchmark).
 
+    ``quantize_weight(w, spec, transposed=)`` makes what ``weight_cache.get(w, spec)`` caches;
     ``quantize_rows(x, schedule, E, spec, rowwise=, colwise=, alloc=, col_sums=)`` and
     ``new_rows(T, width, like, spec, E, rowwise, colwise, alloc)`` return / allocate ``rows``
     objects (``data``, ``scale``, ``data_t``, ``scale_t``); ``gemm`` has ``launch`` and
@@ -53,6 +54,7 @@ class RecipeKernels:
     recipe_name: str
     tile: int  # schedule M tile; H and F must be multiples of it
     weight_cache: Any
+    quantize_weight: Callable
     quantize_rows: Callable
     new_rows: Callable
     rows: type

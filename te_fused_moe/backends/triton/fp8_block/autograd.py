@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..block_scaled import RecipeKernels
 from . import gemm
-from .quantize import BLOCK, FP8Spec, QuantizedRows, WEIGHT_CACHE, new_rows, quantize_rows
+from .quantize import BLOCK, FP8Spec, QuantizedRows, WEIGHT_CACHE, new_rows, quantize_rows, quantize_weight
 from .wgrad import fp8_grouped_wgrad, tile_sums_to_experts
 
 
@@ -37,8 +37,8 @@ def supports_fp8_block(recipe) -> Optional[str]:
 
 
 KERNELS = RecipeKernels(
-    recipe_name="Float8BlockScaling", tile=BLOCK, weight_cache=WEIGHT_CACHE, quantize_rows=quantize_rows,
-    new_rows=new_rows, rows=QuantizedRows, gemm=gemm, grouped_wgrad=fp8_grouped_wgrad,
+    recipe_name="Float8BlockScaling", tile=BLOCK, weight_cache=WEIGHT_CACHE, quantize_weight=quantize_weight,
+    quantize_rows=quantize_rows, new_rows=new_rows, rows=QuantizedRows, gemm=gemm, grouped_wgrad=fp8_grouped_wgrad,
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_fp8_block,
 )
 check_shapes = KERNELS.check_shapes

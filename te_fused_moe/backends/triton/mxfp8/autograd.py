@@ -14,7 +14,7 @@ from typing import Optional
 from ..block_scaled import RecipeKernels
 from ..fp8_block.wgrad import tile_sums_to_experts
 from . import gemm
-from .quantize import TILE, WEIGHT_CACHE, MXRows, MXSpec, new_rows, quantize_rows
+from .quantize import TILE, WEIGHT_CACHE, MXRows, MXSpec, new_rows, quantize_rows, quantize_weight
 from .wgrad import mx_grouped_wgrad
 
 
@@ -34,8 +34,8 @@ def supports_mxfp8(recipe) -> Optional[str]:
 
 
 KERNELS = RecipeKernels(
-    recipe_name="MXFP8BlockScaling", tile=TILE, weight_cache=WEIGHT_CACHE, quantize_rows=quantize_rows,
-    new_rows=new_rows, rows=MXRows, gemm=gemm, grouped_wgrad=mx_grouped_wgrad,
+    recipe_name="MXFP8BlockScaling", tile=TILE, weight_cache=WEIGHT_CACHE, quantize_weight=quantize_weight,
+    quantize_rows=quantize_rows, new_rows=new_rows, rows=MXRows, gemm=gemm, grouped_wgrad=mx_grouped_wgrad,
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_mxfp8,
 )
 check_shapes = KERNELS.check_shapes

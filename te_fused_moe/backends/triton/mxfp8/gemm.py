@@ -72,7 +72,7 @@ def default_config(kind: str) -> MXGemmConfig:
     ~550 values; at BN = 64 neither K loop spills (252 / 255 registers: one CTA per SM).
     FC2 / FC1 dgrad: 128x64 tiles at 4 warps (239 registers, no spills): two CTAs per SM, so one's
     FP32 promotion can run under the other's wgmma (what made fp8_block's wgrad 1.35x faster on the
-    H200 than 128x128 at 8 warps; not yet measured here: ``python -m te_fused_moe.bench_mxfp8 --variants``)."""
+    H200 than 128x128 at 8 warps; not yet measured here: ``python scripts/bench_recipes.py --variants mxfp8``)."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
     if interpreting():
