@@ -310,12 +310,17 @@ def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
         from .backends.triton.mxfp8.gemm import MXGemmConfig as G
         from .backends.triton.mxfp8.wgrad import MXWgradConfig as W
 
+        promote = dict(expand_bf16=False)
         configs = {
             "default": {},
-            "plain_128x128_w8": dict(gemm_config=G(block_n=128, num_warps=8, num_stages=4)),
-            "epi_128x128_w8": dict(epilogue_config=G(block_n=128, num_warps=8, num_stages=3)),
-            "wgrad_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4)),
-            "wgrad_128x64_w4": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=4, num_stages=3)),
+            # the other inner loop: FP8 wgmma per 32-K block + FP32 promotion (run 12's default)
+            "promote": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=4, **promote),
+                            epilogue_config=G(block_n=64, num_warps=8, num_stages=4, **promote),
+                            wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, **promote)),
+            "plain_128x128_w8": dict(gemm_config=G(block_n=128, num_warps=8, num_stages=3, expand_bf16=True)),
+            "epi_bn128_w8": dict(epilogue_config=G(block_n=128, num_warps=8, num_stages=3, expand_bf16=True)),
+            "wgrad_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=3,
+                                                    expand_bf16=True)),
         }
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)

@@ -538,7 +538,11 @@ def sm90_build_report() -> dict:
         sig = {n: "i32" for n in fn.arg_names}
         sig.update(types)
         sig.update({c: "constexpr" for c in consts})
-        k = triton.compile(ASTSource(fn, sig, consts), target=target,
+        # a real launch specialises pointers and 16-divisible strides/sizes on divisibility by 16
+        # (vectorised accesses); without these hints the build looks far more register-bound
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
+        k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
                            options=dict(num_warps=num_warps, num_stages=num_stages))
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "k.cubin")
@@ -548,9 +552,10 @@ def sm90_build_report() -> dict:
                                    capture_output=True, text=True, check=True).stdout
             sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), path], capture_output=True, text=True,
                                   check=True).stdout.splitlines()
-        out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass)}
-        # the K loop: from the label that a backward branch after the last QGMMA jumps to, to that branch
-        mma = [i for i, line in enumerate(sass) if "QGMMA" in line]
+        out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
+               "hgmma": sum("HGMMA" in l for l in sass)}
+        # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
+        mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
         if mma:
             labels = {m.group(1): i for i, line in enumerate(sass) for m in [re.match(r"\s*\.(L_x_\d+):", line)] if m}
             loop = []
@@ -574,19 +579,22 @@ def sm90_build_report() -> dict:
                                          ("dgrad_e5m2", "dgrad", False, "swiglu", "fp8e5")):
         cfg = gemm.default_config(kind)
         mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
-        types = dict(ptrs, a_src=f"tensordesc<{a_dt}[128, 32]>", b_src=f"tensordesc<fp8e4nv[{cfg.block_n}, 32]>")
+        bk = gemm.EXPAND_BLOCK_K if cfg.expand_bf16 else 32
+        types = dict(ptrs, a_src=f"tensordesc<{a_dt}[128, {bk}]>", b_src=f"tensordesc<fp8e4nv[{cfg.block_n}, {bk}]>")
         quant = mode != gemm.MODE_PLAIN
         consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
                       WRITE_DPROB=mode == gemm.MODE_DACT, WRITE_DBIAS=mode == gemm.MODE_DACT, ROWWISE=quant,
                       COLWISE=quant, USE_TMA=True, UPCAST=False, SPLIT_EPILOGUE=quant and cfg.split_epilogue, **spec,
-                      BM=128, BN=cfg.block_n, BK=32, GROUP_M=cfg.group_m)
+                      EXPAND=cfg.expand_bf16, BM=128, BN=cfg.block_n, BK=bk, GROUP_M=cfg.group_m)
         report[name] = build(gemm.mx_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
     wcfg = W.default_config()
-    report["wgrad"] = build(W.mx_wgrad_kernel, dict(g_src=f"tensordesc<fp8e5[{wcfg.block_n}, 32]>",
-                                                    x_src=f"tensordesc<fp8e4nv[{wcfg.block_k}, 32]>", gs_ptr="*u8",
+    bt = 128 if wcfg.expand_bf16 else 32
+    report["wgrad"] = build(W.mx_wgrad_kernel, dict(g_src=f"tensordesc<fp8e5[{wcfg.block_n}, {bt}]>",
+                                                    x_src=f"tensordesc<fp8e4nv[{wcfg.block_k}, {bt}]>", gs_ptr="*u8",
                                                     xs_ptr="*u8", dw_ptr="*bf16", sched_ptr="*i32"),
-                            dict(USE_TMA=True, UPCAST=False, BN=wcfg.block_n, BK=wcfg.block_k, BT=32, TILE_M=128,
-                                 GROUP_N=wcfg.group_n), wcfg.num_warps, wcfg.num_stages)
+                            dict(USE_TMA=True, UPCAST=False, EXPAND=wcfg.expand_bf16, BN=wcfg.block_n, BK=wcfg.block_k,
+                                 BT=bt, TILE_M=128, MX_BLOCK=32, GROUP_N=wcfg.group_n), wcfg.num_warps,
+                            wcfg.num_stages)
     report["quantize_rows"] = build(Q.quantize_tiles_kernel, dict(x_ptr="*bf16", q_ptr="*u8", qs_ptr="*u8",
                                                                   qt_ptr="*u8", qts_ptr="*u8", colsum_ptr="*fp32",
                                                                   sched_ptr="*i32"),
@@ -615,6 +623,11 @@ def _worker() -> None:
         "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
                                                    epilogue=dict(block_n=128, split_epilogue=False),
                                                    plain=dict(block_n=128), wgrad=dict(block_n=128)),
+        # both inner loops, whichever is the default: per-32 promotion and BF16 expansion
+        "exact_promote": check_kernels_exact("cpu", seed=3, T=200, H=128, epilogue=dict(expand_bf16=False),
+                                             plain=dict(expand_bf16=False), wgrad=dict(expand_bf16=False)),
+        "exact_expand": check_kernels_exact("cpu", seed=4, T=200, H=128, epilogue=dict(expand_bf16=True),
+                                            plain=dict(expand_bf16=True), wgrad=dict(expand_bf16=True)),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -647,7 +660,7 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
     report = json.loads(lines[-1][4:])
     for name, r in report.items():
         if name.startswith(("fc", "dact", "dgrad", "wgrad")):
-            assert r["qgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
+            assert r["qgmma"] + r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
         allowed = 512 if name.startswith("dact") else 0
         assert r["stack"] <= allowed, (name, r)
 
@@ -673,7 +686,7 @@ def test_weight_cache_refreshes_once_per_step(results):
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit"])
+@pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered

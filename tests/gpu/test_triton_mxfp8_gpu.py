@@ -71,6 +71,17 @@ def test_every_kernel_exact_on_integer_data_gpu(tma, seed, fmt, epilogue):
         assert bad[name] == 0, (name, bad)
 
 
+def test_promotion_loop_exact_on_integer_data_gpu():
+    # the other inner loop than the default (FP8 wgmma per 32-K block + FP32 promotion vs BF16 expansion)
+    from te_fused_moe.backends.triton.mxfp8 import gemm
+
+    other = dict(expand_bf16=not gemm.EXPAND_BF16_DEFAULT)
+    bad = checks.check_kernels_exact("cuda", seed=4, epilogue=other, plain=other, wgrad=other)
+    print("MXFP8_EXACT_OTHER_LOOP", json.dumps(bad))
+    for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
+        assert bad[name] == 0, (name, bad)
+
+
 # (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, tma, frozen, fp8_format)
 GPU_CASES = [  # few, because each activation / option combination compiles its own kernels
     ("swiglu-balanced", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),

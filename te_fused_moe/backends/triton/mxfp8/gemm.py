@@ -50,6 +50,10 @@ from .codec import mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
 
 MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
+EXPAND_BLOCK_K = 128  # K step of the expand_bf16 loop: four scale blocks
+# The GEMMs' default inner loop: BF16 wgmma on exactly expanded operands (True) or FP8 wgmma per 32-K
+# block with FP32 promotion (False). Measured on the H200 (benchmarks/NOTES.md, run 13).
+EXPAND_BF16_DEFAULT = True
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
 
@@ -61,6 +65,7 @@ class MXGemmConfig:
     num_warps: int = 8
     num_stages: int = 4
     split_epilogue: bool = True  # FC1 / dGLU epilogues in two independent 64-column halves (register pressure)
+    expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see expand_bf16)
 
 
 def default_config(kind: str) -> MXGemmConfig:
@@ -75,11 +80,11 @@ def default_config(kind: str) -> MXGemmConfig:
     H200 than 128x128 at 8 warps; not yet measured here: ``python scripts/bench_recipes.py --variants mxfp8``)."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
-    if interpreting():
-        return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1)  # the GPU's tile shapes
+    if interpreting():  # the GPU's tile shapes
+        return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1, expand_bf16=EXPAND_BF16_DEFAULT)
     if kind in ("fc1", "dact"):
-        return MXGemmConfig(block_n=64, num_warps=8, num_stages=4)
-    return MXGemmConfig(block_n=64, num_warps=4, num_stages=4)
+        return MXGemmConfig(block_n=64, num_warps=8, num_stages=4, expand_bf16=EXPAND_BF16_DEFAULT)
+    return MXGemmConfig(block_n=64, num_warps=4, num_stages=4, expand_bf16=EXPAND_BF16_DEFAULT)
 
 
 @triton.jit
@@ -169,6 +174,18 @@ def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_h
 
 
 @triton.jit
+def expand_bf16(v, codes, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+    """FP8 tile ``v`` [ROWS, COLS] times its E8M0 scales ``codes`` [ROWS, COLS / 32] (one per 32
+    consecutive columns), in BF16: exact, since an FP8 value (4 significant bits) times a power of
+    two fits BF16's 8 (down to BF16's smallest subnormal, 2^-133). FP32 under the interpreter."""
+    x = tl.reshape(v.to(tl.float32), (ROWS, COLS // 32, 32)) * mx_dequant_scale(codes)[:, :, None]
+    x = tl.reshape(x, (ROWS, COLS))
+    if UPCAST:
+        return x
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def mx_grouped_gemm_kernel(
     a_src, stride_am, as_ptr, stride_asm, stride_ask,
     b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS, b_up_rows,
@@ -184,7 +201,7 @@ def mx_grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
     pid_m, pid_n = swizzle(tl.program_id(0), MAX_M_TILES, tl.cdiv(N, BN), GROUP_M)
@@ -209,6 +226,29 @@ def mx_grouped_gemm_kernel(
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     k_tiles = tl.where(is_padding, 0, K // BK)
+    if EXPAND:
+        # BK = 128: four scale blocks per step, both operands expanded exactly to BF16 and one BF16
+        # wgmma into the loop-carried accumulator (no promotion pass)
+        for kt in range(0, k_tiles):
+            k0 = kt * BK
+            if USE_TMA:
+                a = a_src.load([a_row, k0])
+                b = b_src.load([b_row, k0])
+            else:
+                a = tl.load(a_ptrs + k0)
+                b = tl.load(b_ptrs + k0)
+            kb = kt * (BK // 32) + tl.arange(0, BK // 32)
+            a_x = expand_bf16(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
+            b_x = expand_bf16(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
+            acc = tl.dot(a_x, tl.trans(b_x), acc)
+            if GATED and MODE == 1:
+                if USE_TMA:
+                    b_up = b_src.load([b_row + b_up_rows, k0])
+                else:
+                    b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+                sb_up = tl.load(sb_ptrs[:, None] + b_up_rows * stride_bsn + kb[None, :] * stride_bsk)
+                acc_up = tl.dot(a_x, tl.trans(expand_bf16(b_up, sb_up, BN, BK, UPCAST)), acc_up)
+        k_tiles = 0  # the promotion loop below does nothing
     for kt in range(0, k_tiles):
         k0 = kt * BK
         if USE_TMA:
@@ -328,6 +368,9 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         raise ValueError(f"config: the quantizing epilogues need block_n 64 or 128 (whole 1x32 blocks), got {cfg.block_n}")
     if n % cfg.block_n:
         raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
+    block_k = EXPAND_BLOCK_K if cfg.expand_bf16 else MX
+    if k % block_k:
+        raise ValueError(f"config: expand_bf16 needs K={k} to be a multiple of {EXPAND_BLOCK_K}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     b_rows = b.shape[1]
@@ -335,8 +378,8 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        a_src = TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [TILE, MX])
-        b_src = TensorDescriptor(b, [b.shape[0] * b_rows, k], [k, 1], [cfg.block_n, MX])
+        a_src = TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [TILE, block_k])
+        b_src = TensorDescriptor(b, [b.shape[0] * b_rows, k], [k, 1], [cfg.block_n, block_k])
     else:
         a_src, b_src = a, b
     dummy_f = a_scale
@@ -363,6 +406,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(), BM=TILE, BN=cfg.block_n, BK=MX, GROUP_M=cfg.group_m,
+        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(), EXPAND=cfg.expand_bf16, BM=TILE, BN=cfg.block_n, BK=block_k,
+        GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -21,6 +21,7 @@ from ..act_math import to_output
 from ..grouped_gemm import interpreting
 from ..schedule import swizzle
 from . import gemm as mx_gemm
+from .gemm import expand_bf16
 from .codec import mx_dequant_scale
 from .quantize import MX, TILE, MXRows
 
@@ -32,15 +33,17 @@ class MXWgradConfig:
     group_n: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see gemm.expand_bf16)
 
 
 def default_config() -> MXWgradConfig:
     """64 (N) x 128 (K) tiles at 4 warps, 3 stages (218 registers, no spills, sm_90a offline build):
     two CTAs per SM overlap one's FP32 promotion with the other's wgmma, as fp8_block's wgrad does
     (measured there on the H200: 1.35x over 128x128 at 8 warps; not yet measured for MXFP8)."""
+    expand = mx_gemm.EXPAND_BF16_DEFAULT
     if interpreting():
-        return MXWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1)
-    return MXWgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return MXWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1, expand_bf16=expand)
+    return MXWgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, expand_bf16=expand)
 
 
 @triton.jit
@@ -49,8 +52,8 @@ def mx_wgrad_kernel(
     x_src, stride_xk, xs_ptr, stride_xsb,
     dw_ptr, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    TILE_M: tl.constexpr, GROUP_N: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, TILE_M: tl.constexpr, MX_BLOCK: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     expert = tl.program_id(1)
@@ -71,6 +74,26 @@ def mx_wgrad_kernel(
         g_ptrs = g_src + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
         x_ptrs = x_src + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
     acc = tl.zeros((BN, BK), dtype=tl.float32)
+    if EXPAND:
+        # BT = TILE_M: one tile slot (four 32-token blocks) per step, expanded exactly to BF16, one
+        # BF16 wgmma into the loop-carried accumulator. Blocks past the expert's end hold zeros;
+        # their scales are read as 1.0 so that nothing else in the slot can matter.
+        rows_total = row_end - row_start
+        for t in range(0, tl.cdiv(rows_total, BT)):
+            slot = tile_start + t
+            if USE_TMA:
+                g = g_src.load([pid_n * BN, slot * BT])
+                x = x_src.load([pid_k * BK, slot * BT])
+            else:
+                g = tl.load(g_ptrs + slot * BT)
+                x = tl.load(x_ptrs + slot * BT)
+            sub = tl.arange(0, BT // MX_BLOCK)
+            valid = (t * BT + sub * MX_BLOCK < rows_total)[None, :]
+            blk = slot * (BT // MX_BLOCK) + sub
+            gs = tl.where(valid, tl.load(gs_ptr + blk[None, :] * stride_gsb + n_in[:, None]), 127)
+            xs = tl.where(valid, tl.load(xs_ptr + blk[None, :] * stride_xsb + k_in[:, None]), 127)
+            acc = tl.dot(expand_bf16(g, gs, BN, BT, UPCAST), tl.trans(expand_bf16(x, xs, BK, BT, UPCAST)), acc)
+        last_block = first_block  # the promotion loop below does nothing
     for blk in range(first_block, last_block):
         if USE_TMA:
             g = g_src.load([pid_n * BN, blk * BT])
@@ -99,14 +122,15 @@ def mx_grouped_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, dw: torch.Ten
     if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
         raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}^T, x {tuple(x.data_t.shape)}^T")
     cfg = config or default_config()
+    block_t = TILE if cfg.expand_bf16 else MX  # tokens per step
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     use_tma = mx_gemm.USE_TMA_DEFAULT and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         slots = g.data_t.shape[1]
-        g_src = TensorDescriptor(g.data_t, [n, slots], [slots, 1], [cfg.block_n, MX])
-        x_src = TensorDescriptor(x.data_t, [k, slots], [slots, 1], [cfg.block_k, MX])
+        g_src = TensorDescriptor(g.data_t, [n, slots], [slots, 1], [cfg.block_n, block_t])
+        x_src = TensorDescriptor(x.data_t, [k, slots], [slots, 1], [cfg.block_k, block_t])
     else:
         g_src, x_src = g.data_t, x.data_t
     mx_wgrad_kernel[grid](
@@ -114,6 +138,7 @@ def mx_grouped_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, dw: torch.Ten
         x_src, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0),
         dw, dw.stride(0), dw.stride(1),
         schedule, n, k, num_experts + 1,
-        USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=MX, TILE_M=TILE,
+        USE_TMA=use_tma, UPCAST=interpreting(), EXPAND=cfg.expand_bf16, BN=cfg.block_n, BK=cfg.block_k, BT=block_t,
+        TILE_M=TILE, MX_BLOCK=MX,
         GROUP_N=cfg.group_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
