@@ -642,8 +642,8 @@ def results():
 
 def test_kernels_build_for_sm90a_without_k_loop_spills():
     """Offline sm_90a build of every default MXFP8 kernel (compile errors show on the CPU, before any
-    GPU time): the GEMMs use FP8 wgmma and none spills inside its K loop; only the dGLU epilogue may
-    spill a little (outside the loop: 120 stack bytes seen)."""
+    GPU time): the GEMMs use wgmma and none spills inside its K loop; only the FC1 and dGLU epilogues
+    may spill a little (outside the loop: 120 stack bytes seen)."""
     import subprocess
 
     import triton
@@ -661,7 +661,9 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
     for name, r in report.items():
         if name.startswith(("fc", "dact", "dgrad", "wgrad")):
             assert r["qgmma"] + r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
-        allowed = 512 if name.startswith("dact") else 0
+        # the quantizing epilogues (after the K loop) may spill a little: FC1 at BN = 128 (measured
+        # faster than 64 anyway, run 13) and the dGLU
+        allowed = 512 if name.startswith(("dact", "fc1")) else 0
         assert r["stack"] <= allowed, (name, r)
 
 

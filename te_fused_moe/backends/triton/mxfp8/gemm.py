@@ -69,19 +69,21 @@ class MXGemmConfig:
 
 
 def default_config(kind: str) -> MXGemmConfig:
-    """BM = 128 always (four 32-token blocks of one expert per tile), BK = 32 (one scale block per step).
+    """BM = 128 always (four 32-token blocks of one expert per tile). BK = 128 with ``expand_bf16``
+    (the default, four scale blocks per step), 32 with the promotion loop (one scale block per step).
 
-    FC1 / dGLU: BN = 64 at 8 warps. The promotion keeps the FP32 accumulator and the dot's fresh
-    result live together (two of each for gated FC1): at BN = 128 gated FC1 reloads spilled registers
-    inside its K loop (sm_90a ptxas, offline build: 114 LDL per step) and the dGLU epilogue spills
-    ~550 values; at BN = 64 neither K loop spills (252 / 255 registers: one CTA per SM).
-    FC2 / FC1 dgrad: 128x64 tiles at 4 warps (239 registers, no spills): two CTAs per SM, so one's
-    FP32 promotion can run under the other's wgmma (what made fp8_block's wgrad 1.35x faster on the
-    H200 than 128x128 at 8 warps; not yet measured here: ``python scripts/bench_recipes.py --variants mxfp8``)."""
+    Measured at DSv3 on the H200 (runs 12-13, ``benchmarks/NOTES.md``): the BF16 loop beats the
+    promotion loop on every GEMM (FC2 3.5 vs 5.3 ms, wgrads 3.7 / 7.4 vs 4.6 / 9.1 ms). FC1: BN = 128
+    (7.0 ms vs 9.4 at 64). dGLU: BN = 64 at 8 warps (6.4 vs 6.8 ms at 128). FC2 / FC1 dgrad:
+    128x64 tiles at 4 warps (3.5 / 6.8 ms vs 4.2 / 8.1 at 128x128, 8 warps): several CTAs per SM
+    overlap one's operand expansion with another's wgmma. With the promotion loop, FC1 at BN = 128
+    spills in its K loop (two accumulators plus two fresh dot results)."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
     if interpreting():  # the GPU's tile shapes
         return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1, expand_bf16=EXPAND_BF16_DEFAULT)
+    if kind == "fc1" and EXPAND_BF16_DEFAULT:  # run 13: 7.0 ms at BN = 128 vs 9.4 at 64 (dGLU: 6.8 vs 6.4)
+        return MXGemmConfig(block_n=128, num_warps=8, num_stages=3, expand_bf16=True)
     if kind in ("fc1", "dact"):
         return MXGemmConfig(block_n=64, num_warps=8, num_stages=4, expand_bf16=EXPAND_BF16_DEFAULT)
     return MXGemmConfig(block_n=64, num_warps=4, num_stages=4, expand_bf16=EXPAND_BF16_DEFAULT)
