@@ -5,7 +5,7 @@
         --train-iters 20 --device cpu --out runs/cpu_tiny_fused
 
 Everything comes from the megatron-core wheel (no megatron.training): parallel_state (gloo on
-CPU, NCCL on GPU, one process), ``GPTModel`` with Megatron's decoder block spec, experts picked by
+CPU, NCCL on GPU; one process, or a torchrun launch), ``GPTModel`` with Megatron's decoder block spec, experts picked by
 ``megatron_patches.install()`` from ``moe_grouped_gemm_impl``, Megatron's ``MockGPTDataset``
 through ``BlendedMegatronDatasetBuilder`` (falls back to synthetic tokens, logged, if the dataset
 cannot be built), and Megatron's optimizer (``get_megatron_optimizer`` over a Megatron DDP
@@ -14,6 +14,13 @@ wrapper; without TE/Apex Megatron itself falls back to torch's Adam(W)).
 Writes ``<out>/log.json`` (config, versions, per-step loss, tokens/s, step time, MoE-layer
 forward+backward time) and, with --plot, ``<out>/loss.png``. Timing synchronizes the GPU once per
 step for the log only; the experts themselves never sync.
+
+Expert parallelism: ``torchrun --nproc-per-node N scripts/pretrain_moe.py ... --expert-model-parallel-size
+EP``. On GPUs each data-parallel rank trains on its own batches through Megatron DDP (not run here:
+no multi-GPU machine yet). On CPU (gloo) the run is a correctness harness: every rank trains on the
+same batches and :func:`reduce_replicated_grads` makes each step equal the single-process step; with
+``--global-init`` (initial weights independent of how experts are sharded) the loss curve equals the
+one-process run's (``tests/test_pretrain_cpu.py``).
 
 ``--cuda-graph {none,local,full_iteration}`` (GPU only; see ``megatron_patches.cuda_graph``):
 ``local`` turns on Megatron's per-layer graphs, ``full_iteration`` replays forward+backward of the
@@ -77,6 +84,16 @@ def parse_args(argv=None):
                              "(moe_pad_expert_input_to_capacity). Megatron's dispatchers read the routing on "
                              "the host unless the shapes are fixed this way, which whole-step graphs need. "
                              "Default: dropless")
+    parser.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
+                        help="expert parallelism (Megatron's flag): experts sharded over this many ranks of a "
+                             "torchrun launch (world size a multiple of it). GPU: Megatron DDP, each data-parallel "
+                             "rank its own batches. CPU (gloo): every rank trains on the same batches and the "
+                             "gradients are reduced so that the run equals the single-process run step for step "
+                             "(a correctness harness for the expert-parallel path)")
+    parser.add_argument("--global-init", action="store_true",
+                        help="re-initialise every weight from a generator seeded by its name (fused experts: by their "
+                             "global index): the same initial model for any --expert-model-parallel-size (compares "
+                             "expert-parallel runs with the single-process run)")
     add_megatron_args(parser)  # --moe-grouped-gemm-impl, same flag as with Megatron-LM
     return parser.parse_args(argv)
 
@@ -99,7 +116,7 @@ def activation_settings(name: str) -> dict:
     raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {name!r}")
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, expert_parallel: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -112,8 +129,12 @@ def init_distributed(device: torch.device) -> None:
                                     init_method=f"file://{store}", rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    world = dist.get_world_size()
+    if world % expert_parallel:
+        raise ValueError(f"--expert-model-parallel-size: expected a divisor of the world size ({world} processes; "
+                         f"launch with torchrun --nproc-per-node), got {expert_parallel}")
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=expert_parallel)
 
 
 def build_config(model: dict, impl: str, device: torch.device, extra_fields: dict = None):
@@ -187,10 +208,11 @@ class _MockTokenizer:
         raise NotImplementedError
 
 
-def batches(model: dict, iters: int, seed: int, device: torch.device):
-    """(tokens, labels, loss_mask, position_ids, source) per step: Megatron's MockGPTDataset, else synthetic."""
+def batches(model: dict, iters: int, seed: int, device: torch.device, data_rank: int = 0, data_ranks: int = 1):
+    """(tokens, labels, loss_mask, position_ids, source) per step: Megatron's MockGPTDataset, else synthetic.
+    With ``data_ranks`` > 1 the samples of a step are split over the data-parallel ranks."""
     batch, seq = model["micro_batch_size"], model["seq_length"]
-    samples = iters * batch
+    samples = iters * batch * data_ranks
     try:
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
@@ -216,7 +238,7 @@ def batches(model: dict, iters: int, seed: int, device: torch.device):
             return data[i, :-1], data[i, 1:], torch.ones(seq), torch.arange(seq)
 
     def stack(step):
-        items = [get(step * batch + j) for j in range(batch)]
+        items = [get((step * data_ranks + data_rank) * batch + j) for j in range(batch)]
         return [torch.stack([torch.as_tensor(item[k]) for item in items]).to(device) for k in range(4)]
 
     return source, stack
@@ -251,6 +273,10 @@ class Trainer:
             self.description = (f"megatron.core.optimizer.Adam = {type(self.optimizer).__module__}."
                                 f"{type(self.optimizer).__name__} (Megatron's fallback without TE/Apex)")
             self.megatron = False
+        # CPU with several ranks: all ranks train on the same batches (see reduce_replicated_grads)
+        import torch.distributed as dist
+
+        self.replicated = device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1
 
     def zero_grad(self):
         if self.megatron:
@@ -263,9 +289,85 @@ class Trainer:
             self.model.finish_grad_sync()
             ok, grad_norm, _ = self.optimizer.step()
             return bool(ok), None if grad_norm is None else float(grad_norm)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.replicated:
+            grad_norm = reduce_replicated_grads(self.model, self.clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         return True, float(grad_norm)
+
+
+def global_init(gpt, config, seed: int) -> int:
+    """Re-initialise every weight matrix from its own generator, seeded by (seed, parameter name) and,
+    for fused experts, by the expert's global index, with Megatron's init std (the scaled std for the
+    layers that write into the residual stream: attention ``linear_proj``, MLP and expert ``linear_fc2``).
+    Construction order decides which random numbers each weight gets, and sharding experts over ranks
+    changes that order (a rank draws only its own experts, and every weight built after them moves);
+    this makes the initial model the same for any expert-parallel size. Norm weights and biases are
+    constants already. Returns the number of tensors re-initialised on this rank."""
+    import zlib
+
+    from megatron_patches.experts import FusedExpertsMLP, group_rank
+
+    std = config.init_method_std
+    scaled = std / math.sqrt(2.0 * config.num_layers)
+    std_of = lambda name: scaled if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+    gen = lambda *key: torch.Generator().manual_seed(zlib.crc32(repr((seed,) + key).encode()))
+    experts = {id(p): (m, name) for name, m in gpt.named_modules() if isinstance(m, FusedExpertsMLP)
+               for p in (m.linear_fc1.weight, m.linear_fc2.weight)}
+    done = 0
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            if p.dim() < 2:
+                continue
+            if id(p) in experts:  # [local experts, ...]: one generator per global expert
+                module, _ = experts[id(p)]
+                first = group_rank(module.ep_group) * module.num_local_experts
+                for i in range(p.shape[0]):
+                    p[i].copy_(torch.randn(p[i].shape, generator=gen(name, first + i)) * std_of(name))
+                    done += 1
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen(name)) * std_of(name))
+                done += 1
+    return done
+
+
+def reduce_replicated_grads(model, clip: float) -> float:
+    """The CPU expert-parallel harness: every rank ran the same batch, so the step must equal the
+    single-process step. Dense gradients are averaged over the ranks (they are equal; this keeps the
+    replicas in sync). An expert's gradient summed the same tokens once per rank of its expert-parallel
+    group (each sent it its copy), so it is divided by that group's size, then averaged over the
+    expert's replicas (expert data parallel). Then the global gradient norm (each parameter counted
+    once) clips as ``clip_grad_norm_`` would in one process. Returns that norm."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    expert_dp = parallel_state.get_expert_data_parallel_group()
+    dense_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if getattr(p, "allreduce", True):
+            dist.all_reduce(p.grad)
+            p.grad /= world
+            dense_sq += p.grad.double().pow(2).sum()
+        else:
+            p.grad /= ep_size
+            dist.all_reduce(p.grad, group=expert_dp)
+            p.grad /= dist.get_world_size(expert_dp)
+            expert_sq += p.grad.double().pow(2).sum()
+        grads.append(p.grad)
+    dist.all_reduce(expert_sq, group=parallel_state.get_expert_model_parallel_group())  # each expert once
+    norm = float((dense_sq + expert_sq).sqrt())
+    coef = clip / (norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 def moe_layer_timing(gpt, config, model: dict, device: torch.device, repeats: int) -> dict:
@@ -362,7 +464,7 @@ def train(args) -> dict:
 
     torch.manual_seed(args.seed)
     with cpu_cuda_shim():  # no-op on GPU; on CPU stands in for Megatron's stream calls
-        init_distributed(device)
+        init_distributed(device, args.expert_model_parallel_size)
         if device.type == "cuda":
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -372,11 +474,18 @@ def train(args) -> dict:
         config = build_config(model, impl, device,
                               {**graph_fields, **capacity_fields(getattr(args, "moe_expert_capacity_factor", None))})
         gpt = build_model(config, model, device)
+        if getattr(args, "global_init", False):
+            global_init(gpt, config, args.seed)
         experts = sorted({type(m.experts).__name__ for m in gpt.modules() if hasattr(m, "experts")})
         backend = resolved_backends(gpt, device, config.params_dtype)
         trainer = Trainer(gpt, args.lr or train_cfg.get("lr", 3e-4), config, device)
-        source, get_batch = batches(model, iters, args.seed, device)
-        tokens_per_step = model["micro_batch_size"] * model["seq_length"]
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        data_ranks = world if device.type == "cuda" else 1  # CPU: the replicated harness (see the flag)
+        source, get_batch = batches(model, iters, args.seed, device, rank % data_ranks, data_ranks)
+        tokens_per_step = model["micro_batch_size"] * model["seq_length"] * data_ranks
+        say = print if rank == 0 else (lambda *a, **k: None)
         # Explicit causal mask (True = masked): Megatron's default mask is created on "cuda".
         seq = model["seq_length"]
         causal_mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
@@ -391,8 +500,8 @@ def train(args) -> dict:
             forward_backward = FullIterationGraph(forward_backward, warmup_steps=FULL_ITERATION_WARMUP_STEPS)
         layer_graphs = uses_megatron_layer_graphs(config)
 
-        print(f"[pretrain_moe] {name}: impl={impl} experts={experts} backend={backend} device={device} "
-              f"cuda_graph={cuda_graph} {graph_fields} "
+        say(f"[pretrain_moe] {name}: impl={impl} experts={experts} backend={backend} device={device} "
+              f"cuda_graph={cuda_graph} {graph_fields} ranks={world} ep={args.expert_model_parallel_size} "
               f"params={sum(p.numel() for p in gpt.parameters()) / 1e6:.2f}M data={source.split(' (')[0]}",
               flush=True)
         steps = []
@@ -406,6 +515,9 @@ def train(args) -> dict:
             if layer_graphs:
                 create_megatron_layer_graphs()  # as Megatron's schedules do after each step
             update_ok, grad_norm = trainer.step()
+            if data_ranks > 1:  # log the mean loss of the data-parallel ranks (the log syncs anyway)
+                dist.all_reduce(loss)
+                loss = loss / data_ranks
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -413,7 +525,7 @@ def train(args) -> dict:
                       "tokens_per_s": tokens_per_step / dt,
                       "grad_norm": grad_norm, "update_ok": update_ok}
             steps.append(record)
-            print(f"[pretrain_moe] step {step + 1:4d}/{iters} loss {record['loss']:.4f} "
+            say(f"[pretrain_moe] step {step + 1:4d}/{iters} loss {record['loss']:.4f} "
                   f"tokens/s {record['tokens_per_s']:.0f} step {dt * 1e3:.1f} ms", flush=True)
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss is {record['loss']} at step {step + 1}")
@@ -436,7 +548,12 @@ def train(args) -> dict:
         "moe_expert_capacity_factor": getattr(args, "moe_expert_capacity_factor", None),
         "full_iteration_graph_captured": bool(getattr(forward_backward, "captured", False)),
         "moe_layer_timing": moe_timing,
+        "world_size": world, "expert_model_parallel_size": args.expert_model_parallel_size,
+        "data_parallel": "replicated on every rank (CPU expert-parallel harness)" if world > 1 and data_ranks == 1
+        else f"{data_ranks} data-parallel rank(s)",
     }
+    if rank != 0:  # one log per run
+        return log
     with open(os.path.join(out_dir, "log.json"), "w") as f:
         json.dump(log, f, indent=1)
     if args.plot:
