@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
+from ..block_scaled_launch import kernel_operands, operand_sources, quantized_copies, tma_allowed
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import mx_dequant_scale
@@ -343,12 +344,6 @@ def mx_grouped_gemm_kernel(
             tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
 
 
-def _tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and row strides and unit inner strides."""
-    return (a.stride(1) == 1 and b.is_contiguous() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-            and a.stride(0) % 16 == 0)
-
-
 def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
            schedule: torch.Tensor, num_experts: int, spec: MXSpec, *, c: Optional[torch.Tensor] = None,
            q=None, q_up_offset: int = 0, h: Optional[torch.Tensor] = None, h_up_offset: int = 0,
@@ -375,34 +370,12 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         raise ValueError(f"config: expand_bf16 needs K={k} to be a multiple of {EXPAND_BLOCK_K}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
-    b_rows = b.shape[1]
-    use_tma = USE_TMA_DEFAULT and _tma_allowed(a, b)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_src = TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [TILE, block_k])
-        b_src = TensorDescriptor(b, [b.shape[0] * b_rows, k], [k, 1], [cfg.block_n, block_k])
-    else:
-        a_src, b_src = a, b
-    dummy_f = a_scale
-    rowwise = q is not None and q.data is not None
-    colwise = q is not None and q.data_t is not None
-    q_data = q.data.view(torch.uint8) if rowwise else (q.data_t.view(torch.uint8) if colwise else a.view(torch.uint8))
-    qt_data = q.data_t.view(torch.uint8) if colwise else q_data
+    rowwise, colwise = quantized_copies(q)
+    use_tma = USE_TMA_DEFAULT and tma_allowed(a, b)
+    a_src, b_src = operand_sources(a, b, TILE, cfg.block_n, block_k, use_tma)
     return mx_grouped_gemm_kernel[grid](
-        a_src, a.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1),
-        b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b_rows,
-        b_up_rows,
-        c if c is not None else dummy_f, c.stride(0) if c is not None else 0,
-        q_data, q.data.stride(0) if rowwise else 0, q.scale if rowwise else dummy_f, q.scale.stride(0) if rowwise else 0,
-        q.scale.stride(1) if rowwise else 0,
-        qt_data, q.data_t.stride(0) if colwise else 0, q.scale_t if colwise else dummy_f,
-        q.scale_t.stride(0) if colwise else 0, q_up_offset,
-        h if h is not None else dummy_f, h.stride(0) if h is not None else 0, h_up_offset,
-        bias if bias is not None else dummy_f, bias.stride(0) if bias is not None else 0, bias_up_offset,
-        probs if probs is not None else dummy_f, dprob if dprob is not None else dummy_f,
-        dprob.stride(0) if dprob is not None else 0,
-        dbias if dbias is not None else dummy_f, dbias.stride(0) if dbias is not None else 0,
+        *kernel_operands(a_src, a, a_scale, b_src, b, b_scale, b_up_rows, c, q, q_up_offset, h, h_up_offset, bias,
+                         bias_up_offset, probs, dprob, dbias),
         schedule,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_experts + 1,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,

@@ -1,0 +1,65 @@
+"""Host side of the block-scaled grouped GEMM launches (FP8 block and MXFP8 ``gemm.launch``): the
+operand sources (TMA descriptors or plain tensors) and the kernels' shared run of pointer/stride
+arguments, which both kernels take in the same order. Absent buffers become a dummy pointer with
+stride 0 (the kernel's constexpr flags keep it from being touched)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides and unit inner strides."""
+    return (a.stride(1) == 1 and b.is_contiguous() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+            and a.stride(0) % 16 == 0)
+
+
+def operand_sources(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int, use_tma: bool):
+    """``(a_src, b_src)``: TMA descriptors of ``a`` [T, K] (boxes ``block_m x block_k``) and of the stacked
+    ``b`` [E, rows, K] seen as ``[E * rows, K]`` (boxes ``block_n x block_k``), or the tensors themselves."""
+    if not use_tma:
+        return a, b
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_rows, k = a.shape
+    return (TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [block_m, block_k]),
+            TensorDescriptor(b, [b.shape[0] * b.shape[1], k], [k, 1], [block_n, block_k]))
+
+
+def quantized_copies(q) -> tuple:
+    """(rowwise, colwise): which copies of the quantized-rows buffers ``q`` (or None) are present."""
+    return q is not None and q.data is not None, q is not None and q.data_t is not None
+
+
+def _or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor, *dims: int) -> tuple:
+    """``t`` and its strides ``dims``, or the dummy with zero strides."""
+    if t is None:
+        return (dummy,) + (0,) * len(dims)
+    return (t,) + tuple(t.stride(d) for d in dims)
+
+
+def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: torch.Tensor, b_scale: torch.Tensor,
+                    b_up_rows: int, c=None, q=None, q_up_offset: int = 0, h=None, h_up_offset: int = 0, bias=None,
+                    bias_up_offset: int = 0, probs=None, dprob=None, dbias=None) -> tuple:
+    """The arguments from ``a_src`` to ``stride_dbias_t`` of ``fp8_grouped_gemm_kernel`` and
+    ``mx_grouped_gemm_kernel``. ``q``: quantized-rows buffers (``data``, ``scale``, ``data_t``,
+    ``scale_t``); its present copies are written, as uint8 codes."""
+    dummy = a_scale
+    rowwise, colwise = quantized_copies(q)
+    q_data = q.data.view(torch.uint8) if rowwise else (q.data_t.view(torch.uint8) if colwise else a.view(torch.uint8))
+    qt_data = q.data_t.view(torch.uint8) if colwise else q_data
+    return (
+        a_src, a.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1),
+        b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
+        b_up_rows,
+        *_or_dummy(c, dummy, 0),
+        q_data, q.data.stride(0) if rowwise else 0, *_or_dummy(q.scale if rowwise else None, dummy, 0, 1),
+        qt_data, q.data_t.stride(0) if colwise else 0, *_or_dummy(q.scale_t if colwise else None, dummy, 0),
+        q_up_offset,
+        *_or_dummy(h, dummy, 0), h_up_offset,
+        *_or_dummy(bias, dummy, 0), bias_up_offset,
+        probs if probs is not None else dummy, *_or_dummy(dprob, dummy, 0),
+        *_or_dummy(dbias, dummy, 0),
+    )
