@@ -63,3 +63,25 @@ def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: tor
         probs if probs is not None else dummy, *_or_dummy(dprob, dummy, 0),
         *_or_dummy(dbias, dummy, 0),
     )
+
+
+def wgrad_operands(g, x, dw: torch.Tensor, block_n: int, block_k: int, block_t: int, use_tma: bool) -> tuple:
+    """Checks the columnwise copies of ``g`` [T, N] and ``x`` [T, K] against ``dw`` [E, N, K], then
+    returns (use_tma, the wgrad kernels' arguments from ``g_src`` to ``N, K, NUM_GROUPS`` minus the
+    schedule): TMA descriptors of ``data_t`` with ``block_n`` / ``block_k`` x ``block_t`` boxes where allowed."""
+    num_experts, n, k = dw.shape
+    if g.data_t is None or x.data_t is None:
+        raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t)")
+    if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
+        raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}^T, x {tuple(x.data_t.shape)}^T")
+    use_tma = use_tma and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
+    g_src, x_src = g.data_t, x.data_t
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        slots = g.data_t.shape[1]
+        g_src = TensorDescriptor(g.data_t, [n, slots], [slots, 1], [block_n, block_t])
+        x_src = TensorDescriptor(x.data_t, [k, slots], [slots, 1], [block_k, block_t])
+    return use_tma, (g_src, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0),
+                     x_src, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0),
+                     dw, dw.stride(0), dw.stride(1))

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..act_math import to_output
+from ..block_scaled_launch import wgrad_operands
 from ..grouped_gemm import interpreting
 from ..schedule import swizzle
 from . import gemm as fp8_gemm
@@ -93,26 +94,12 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
                       config: Optional[FP8WgradConfig] = None) -> None:
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
-    if g.data_t is None or x.data_t is None:
-        raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t)")
-    if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
-        raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}^T, x {tuple(x.data_t.shape)}^T")
     cfg = config or default_config()
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
-    use_tma = cfg.use_tma and fp8_gemm.USE_TMA_DEFAULT and all(
-        t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        slots = g.data_t.shape[1]
-        g_src = TensorDescriptor(g.data_t, [n, slots], [slots, 1], [cfg.block_n, BLOCK])
-        x_src = TensorDescriptor(x.data_t, [k, slots], [slots, 1], [cfg.block_k, BLOCK])
-    else:
-        g_src, x_src = g.data_t, x.data_t
+    use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK,
+                                       cfg.use_tma and fp8_gemm.USE_TMA_DEFAULT)
     fp8_wgrad_kernel[grid](
-        g_src, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0),
-        x_src, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0),
-        dw, dw.stride(0), dw.stride(1),
+        *operands,
         schedule, n, k, num_experts + 1,
         USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=BLOCK, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
