@@ -174,3 +174,55 @@ def run_in_triton_interpreter(call: str, tag: str = "RESULTS", extra_env=None, t
         f"interpreter worker `{call}` failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     )
     return json.loads(lines[-1][len(tag):])
+
+
+def graph_replay_errors(recipe, grads=("x", "w1", "w2", "b1", "b2", "probs"), T=4096, H=512, F=256, E=8,
+                        activation="swiglu") -> dict:
+    """``fused_moe_mlp(recipe=..., backend='triton')`` forward+backward captured once in a CUDA graph,
+    then replayed with new routings written into the same counts tensor (padding rows, empty experts,
+    one expert, and a weight update between replays, which the graph must see). Returns, per routing,
+    the relative error of y and of every gradient vs the reference backend's emulation of the recipe."""
+    from te_fused_moe import fused_moe_mlp
+
+    problem = random_problem(T, H, F, E, activation=activation, dtype=torch.bfloat16, device="cuda", bias=True,
+                             probs=True)
+    leaves = {k: (v.detach().clone().requires_grad_(True) if (k in grads and v is not None) else v)
+              for k, v in problem.items()}
+    names = [n for n in grads if leaves[n] is not None]
+    static_counts = problem["tokens_per_expert"].clone()
+    static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def run(p, counts, backend):
+        return fused_moe_mlp(p["x"], counts, p["w1"], p["w2"], activation=activation, recipe=recipe, b1=p["b1"],
+                             b2=p["b2"], probs=p["probs"], backend=backend)
+
+    def step():
+        y = run(leaves, static_counts, "triton")
+        return (y,) + torch.autograd.grad(y, [leaves[n] for n in names], static_dy)
+
+    graph, static_out = capture_cuda_graph(step)
+    generator = torch.Generator().manual_seed(7)
+    routings = [
+        ("balanced-padded", make_counts(T, E, "balanced", generator=generator, padding=300), False),
+        ("empty-experts", make_counts(T, E, "empty", generator=generator), False),
+        ("one-expert", make_counts(T, E, "one", generator=generator), False),
+        ("after-weight-update", make_counts(T, E, "zipf", generator=generator), True),
+    ]
+    out = {}
+    for label, counts, update in routings:
+        if update:  # an optimizer step between replays
+            with torch.no_grad():
+                leaves["w1"].mul_(1.5)
+                leaves["w2"].add_(0.01)
+        static_counts.copy_(counts)
+        static_dy.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = {k: (v.detach().clone().requires_grad_(True) if (k in grads and v is not None) else v)
+               for k, v in leaves.items()}
+        ref_y = run(ref, counts.cuda(), "reference")
+        ref_grads = torch.autograd.grad(ref_y, [ref[n] for n in names], static_dy)
+        errors = {"y": rel_err(static_out[0], ref_y)}
+        errors.update({n: rel_err(g, r) for n, g, r in zip(names, static_out[1:], ref_grads)})
+        out[label] = errors
+    return out

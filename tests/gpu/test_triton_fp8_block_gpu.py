@@ -24,10 +24,9 @@ import json
 import pytest
 import torch
 
-from moe_reference import capture_cuda_graph, make_counts, random_problem, rel_err
+from moe_reference import graph_replay_errors
 
 import test_triton_fp8_block_interpreter as checks
-from te_fused_moe import fused_moe_mlp
 from te_fused_moe.recipes import Float8BlockScaling
 
 pytestmark = pytest.mark.gpu
@@ -98,44 +97,7 @@ def test_mlp_matches_reference_emulation_gpu(case):
 
 
 def test_cuda_graph_replay_with_changing_routing_fp8():
-    T, H, F, E, act = 4096, 512, 256, 8, "swiglu"
-    recipe = Float8BlockScaling()
-    problem = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device="cuda", bias=True, probs=True)
-    leaves = {k: (v.detach().clone().requires_grad_(True) if (k in GRADS and v is not None) else v)
-              for k, v in problem.items()}
-    names = [n for n in GRADS if leaves[n] is not None]
-    static_counts = problem["tokens_per_expert"].clone()
-    static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        y = fused_moe_mlp(leaves["x"], static_counts, leaves["w1"], leaves["w2"], activation=act, recipe=recipe,
-                          b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend="triton")
-        return (y,) + torch.autograd.grad(y, [leaves[n] for n in names], static_dy)
-
-    graph, static_out = capture_cuda_graph(step)
-    generator = torch.Generator().manual_seed(7)
-    routings = [
-        ("balanced-padded", make_counts(T, E, "balanced", generator=generator, padding=300), False),
-        ("empty-experts", make_counts(T, E, "empty", generator=generator), False),
-        ("one-expert", make_counts(T, E, "one", generator=generator), False),
-        ("after-weight-update", make_counts(T, E, "zipf", generator=generator), True),
-    ]
-    for label, counts, update in routings:
-        if update:  # an optimizer step between replays: the graph must see the new weights
-            with torch.no_grad():
-                leaves["w1"].mul_(1.5)
-                leaves["w2"].add_(0.01)
-        static_counts.copy_(counts)
-        static_dy.normal_()
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = {k: (v.detach().clone().requires_grad_(True) if (k in GRADS and v is not None) else v)
-               for k, v in leaves.items()}
-        ref_y = fused_moe_mlp(ref["x"], counts.cuda(), ref["w1"], ref["w2"], activation=act, recipe=recipe,
-                              b1=ref["b1"], b2=ref["b2"], probs=ref["probs"], backend="reference")
-        ref_grads = torch.autograd.grad(ref_y, [ref[n] for n in names], static_dy)
-        errors = {"y": rel_err(static_out[0], ref_y)}
-        errors.update({n: rel_err(g, r) for n, g, r in zip(names, static_out[1:], ref_grads)})
+    for label, errors in graph_replay_errors(Float8BlockScaling()).items():
         print("FP8_GRAPH", label, json.dumps(errors))
         bad = {k: v for k, v in errors.items() if not v <= GPU_BOUND}
         assert not bad, f"{label}: graph replay differs from the reference emulation: {bad}"

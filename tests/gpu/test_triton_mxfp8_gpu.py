@@ -26,7 +26,7 @@ import json
 import pytest
 import torch
 
-from moe_reference import capture_cuda_graph, make_counts, random_problem, rel_err
+from moe_reference import graph_replay_errors, random_problem
 
 import test_triton_mxfp8_interpreter as checks
 from te_fused_moe import fused_moe_mlp
@@ -138,46 +138,9 @@ def test_no_host_syncs_after_warmup():
 
 
 def test_cuda_graph_replay_with_changing_routing_mxfp8():
-    T, H, F, E, act = 4096, 512, 256, 8, "swiglu"
-    recipe = MXFP8BlockScaling()
-    problem = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device="cuda", bias=True, probs=True)
-    leaves = {k: (v.detach().clone().requires_grad_(True) if (k in GRADS and v is not None) else v)
-              for k, v in problem.items()}
-    names = [n for n in GRADS if leaves[n] is not None]
-    static_counts = problem["tokens_per_expert"].clone()
-    static_dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        y = fused_moe_mlp(leaves["x"], static_counts, leaves["w1"], leaves["w2"], activation=act, recipe=recipe,
-                          b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend="triton")
-        return (y,) + torch.autograd.grad(y, [leaves[n] for n in names], static_dy)
-
-    graph, static_out = capture_cuda_graph(step)
-    generator = torch.Generator().manual_seed(7)
-    routings = [
-        ("balanced-padded", make_counts(T, E, "balanced", generator=generator, padding=300), False),
-        ("empty-experts", make_counts(T, E, "empty", generator=generator), False),
-        ("one-expert", make_counts(T, E, "one", generator=generator), False),
-        ("after-weight-update", make_counts(T, E, "zipf", generator=generator), True),
-    ]
-    for label, counts, update in routings:
-        if update:  # an optimizer step between replays: the graph must see the new weights
-            with torch.no_grad():
-                leaves["w1"].mul_(1.5)
-                leaves["w2"].add_(0.01)
-        static_counts.copy_(counts)
-        static_dy.normal_()
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = {k: (v.detach().clone().requires_grad_(True) if (k in GRADS and v is not None) else v)
-               for k, v in leaves.items()}
-        ref_y = fused_moe_mlp(ref["x"], counts.cuda(), ref["w1"], ref["w2"], activation=act, recipe=recipe,
-                              b1=ref["b1"], b2=ref["b2"], probs=ref["probs"], backend="reference")
-        ref_grads = torch.autograd.grad(ref_y, [ref[n] for n in names], static_dy)
-        errors = {"y": rel_err(static_out[0], ref_y)}
-        errors.update({n: rel_err(g, r) for n, g, r in zip(names, static_out[1:], ref_grads)})
+    for label, errors in graph_replay_errors(MXFP8BlockScaling()).items():
         print("MXFP8_GRAPH", label, json.dumps(errors))
-        bad = {k: v for k, v in errors.items() if not v <= HBF16_BOUND}  # h saved in BF16 (default)
+        bad = {k: v for k, v in errors.items() if not v <= HBF16_BOUND}  # h saved in BF16 (the default)
         assert not bad, f"{label}: graph replay differs from the reference emulation: {bad}"
 
 
