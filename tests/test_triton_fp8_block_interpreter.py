@@ -390,67 +390,21 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     """Forward + backward of the Triton FP8 path and of the reference backend on the same random
     problem; ``triton_context`` (a context-manager factory) wraps the Triton call only (the GPU test
     raises on host syncs there)."""
-    import contextlib
+    from block_scaled_checks import compare_with_reference
+    from moe_reference import random_problem
 
-    from fake_quant_reference import quantized_expert_mlp_fp64
-    from moe_reference import random_problem, rel_err
-
-    from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.backends.triton import block_scaled as fa
     from te_fused_moe.backends.triton.fp8_block import gemm
     from te_fused_moe.recipes import Float8BlockScaling, Format
 
     case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, f32s, tma, frozen = case[:14]
     fmt = case[14] if len(case) > 14 else "E4M3"
-    fa.H_DTYPE = torch.float32 if h_fp32 else None
-    gemm.USE_TMA_DEFAULT = tma
     real_alloc = torch.empty
-    fa.ALLOC = (lambda *a, **k: _poisoned(real_alloc(*a, **k))) if poison else torch.empty
+    alloc = (lambda *a, **k: _poisoned(real_alloc(*a, **k))) if poison else torch.empty
     recipe = Float8BlockScaling(use_f32_scales=f32s, fp8_format=Format[fmt])
     p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
-    outs = {}
-    for backend in ("triton", "reference"):
-        leaves = {k: (p[k].clone().requires_grad_(k not in frozen) if (k in GRADS and p[k] is not None) else p[k])
-                  for k in p}
-        ctx = triton_context() if (triton_context is not None and backend == "triton") else contextlib.nullcontext()
-        with ctx:
-            y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation=act,
-                              recipe=recipe, b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend=backend)
-            y.backward(dy)
-        outs[backend] = {"y": y.detach()}
-        for k in GRADS:
-            if leaves[k] is not None and k not in frozen:
-                outs[backend][k] = leaves[k].grad
-    fa.H_DTYPE, fa.ALLOC, gemm.USE_TMA_DEFAULT = None, torch.empty, True
-    res = {"err": {}, "far": {}, "nan": {}, "fp64": {}}
-    for k, ref in outs["reference"].items():
-        got = outs["triton"].get(k)
-        if got is None:
-            res["err"][k] = float("nan")
-            continue
-        res["err"][k] = rel_err(got, ref)
-        diff = (got.double() - ref.double()).abs().cpu()
-        scale = ref.double().abs().max().item() if ref.numel() else 0.0
-        res["far"][k] = float((diff > 1e-3 * scale).double().mean()) if ref.numel() else 0.0
-        res["nan"][k] = int(torch.isnan(got).sum())
-    truth = quantized_expert_mlp_fp64(**{k: p[k] for k in ("x", "tokens_per_expert", "w1", "w2", "b1", "b2", "probs")},
-                                      recipe=recipe, activation=act, dy=dy)
-    for k in outs["triton"]:
-        res["fp64"][k] = rel_err(outs["triton"][k], truth[k])
-    routed = int(p["tokens_per_expert"].sum())
-    zero = {"y_pad": outs["triton"]["y"][routed:]}
-    if "x" in outs["triton"]:
-        zero["dx_pad"] = outs["triton"]["x"][routed:]
-    empty = [e for e, c in enumerate(p["tokens_per_expert"].tolist()) if c == 0]
-    for k in ("w1", "w2", "b1", "b2"):
-        if k in outs["triton"] and empty:
-            zero[f"d{k}_empty"] = outs["triton"][k][empty]
-    res["nonzero"] = {k: int((v != 0).sum()) + int(torch.isnan(v).sum()) for k, v in zero.items()}
-    res["grads"] = sorted(outs["triton"])
-    return res
-
+    return compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
 
 def check_dispatch(device: str) -> dict:
     """fused_moe_mlp(backend='triton') takes the FP8 path; shapes it refuses raise with the argument

@@ -1,0 +1,75 @@
+"""The whole-MLP check shared by the FP8 block and MXFP8 Triton tests (interpreter and GPU): the
+Triton path and the reference backend's emulation of the same recipe, forward + backward on the
+same random problem, with every kernel buffer poisoned if asked."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
+
+
+def compare_with_reference(p, recipe, activation, dy, frozen=(), alloc=torch.empty, h_fp32=True, gemm=None,
+                           use_tma=True, triton_context=None) -> dict:
+    """Runs problem ``p`` (``moe_reference.random_problem``) through ``backend='triton'`` and
+    ``backend='reference'`` with ``recipe``; ``frozen`` inputs get no gradient. Kernel buffers come
+    from ``alloc`` (poisoning); ``h`` is saved in FP32 if ``h_fp32`` (as the reference keeps it);
+    ``gemm.USE_TMA_DEFAULT`` is set to ``use_tma``; ``triton_context`` (a context-manager factory)
+    wraps the Triton call only. Returns per output: relative error vs the reference (``err``), the
+    share of elements off by more than 1e-3 of the reference's max (``far``), NaN count (``nan``), the
+    error vs the FP64 fake-quantized truth (``fp64``), and nonzero counts where the outputs must be
+    zero (padding rows, empty experts: ``nonzero``)."""
+    from fake_quant_reference import quantized_expert_mlp_fp64
+    from moe_reference import rel_err
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton import block_scaled
+
+    block_scaled.H_DTYPE = torch.float32 if h_fp32 else None
+    block_scaled.ALLOC = alloc
+    gemm.USE_TMA_DEFAULT = use_tma
+    outs = {}
+    try:
+        for backend in ("triton", "reference"):
+            leaves = {k: (p[k].clone().requires_grad_(k not in frozen) if (k in GRADS and p[k] is not None) else p[k])
+                      for k in p}
+            ctx = triton_context() if (triton_context is not None and backend == "triton") else contextlib.nullcontext()
+            with ctx:
+                y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"],
+                                  activation=activation, recipe=recipe, b1=leaves["b1"], b2=leaves["b2"],
+                                  probs=leaves["probs"], backend=backend)
+                y.backward(dy)
+            outs[backend] = {"y": y.detach()}
+            for k in GRADS:
+                if leaves[k] is not None and k not in frozen:
+                    outs[backend][k] = leaves[k].grad
+    finally:
+        block_scaled.H_DTYPE, block_scaled.ALLOC, gemm.USE_TMA_DEFAULT = None, torch.empty, True
+    res = {"err": {}, "far": {}, "nan": {}, "fp64": {}}
+    for k, ref in outs["reference"].items():
+        got = outs["triton"].get(k)
+        if got is None:
+            res["err"][k] = float("nan")
+            continue
+        res["err"][k] = rel_err(got, ref)
+        diff = (got.double() - ref.double()).abs().cpu()
+        scale = ref.double().abs().max().item() if ref.numel() else 0.0
+        res["far"][k] = float((diff > 1e-3 * scale).double().mean()) if ref.numel() else 0.0
+        res["nan"][k] = int(torch.isnan(got).sum())
+    truth = quantized_expert_mlp_fp64(**{k: p[k] for k in ("x", "tokens_per_expert", "w1", "w2", "b1", "b2", "probs")},
+                                      recipe=recipe, activation=activation, dy=dy)
+    for k in outs["triton"]:
+        res["fp64"][k] = rel_err(outs["triton"][k], truth[k])
+    routed = int(p["tokens_per_expert"].sum())
+    zero = {"y_pad": outs["triton"]["y"][routed:]}
+    if "x" in outs["triton"]:
+        zero["dx_pad"] = outs["triton"]["x"][routed:]
+    empty = [e for e, c in enumerate(p["tokens_per_expert"].tolist()) if c == 0]
+    for k in ("w1", "w2", "b1", "b2"):
+        if k in outs["triton"] and empty:
+            zero[f"d{k}_empty"] = outs["triton"][k][empty]
+    res["nonzero"] = {k: int((v != 0).sum()) + int(torch.isnan(v).sum()) for k, v in zero.items()}
+    res["grads"] = sorted(outs["triton"])
+    return res
