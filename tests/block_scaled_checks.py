@@ -73,3 +73,25 @@ def compare_with_reference(p, recipe, activation, dy, frozen=(), alloc=torch.emp
     res["nonzero"] = {k: int((v != 0).sum()) + int(torch.isnan(v).sum()) for k, v in zero.items()}
     res["grads"] = sorted(outs["triton"])
     return res
+
+
+@contextlib.contextmanager
+def no_host_syncs():
+    """CUDA sync-debug mode 'error' inside: any host read of device data raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def assert_within(case_id: str, res: dict, bound: float, fp64_bound: float) -> None:
+    """:func:`compare_with_reference`'s result: no NaN, every output within ``bound`` of the reference
+    emulation and ``fp64_bound`` of the FP64 truth, zeros where zeros are due."""
+    for name, err in res["err"].items():
+        assert res["nan"][name] == 0, (case_id, name, res)
+        assert err <= bound, f"{case_id}: {name} rel. error vs reference emulation {err:.3g} > {bound}"
+        assert res["fp64"][name] <= fp64_bound, f"{case_id}: {name} vs FP64 {res['fp64'][name]:.3g}"
+    for name, bad in res["nonzero"].items():
+        assert bad == 0, (case_id, name, res["nonzero"])

@@ -20,12 +20,12 @@ measured errors). The checks are those of tests/test_triton_mxfp8_interpreter.py
   update (the graph re-quantizes the weights on replay: the weight cache is bypassed while capturing).
 """
 
-import contextlib
 import json
 
 import pytest
 import torch
 
+from block_scaled_checks import GRADS, assert_within, no_host_syncs
 from moe_reference import graph_replay_errors, random_problem
 
 import test_triton_mxfp8_interpreter as checks
@@ -34,7 +34,6 @@ from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
 pytestmark = pytest.mark.gpu
 
-GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
 GPU_BOUND, GPU_FP64_BOUND = 2e-2, 3e-2
 HBF16_BOUND = 4e-2  # h saved in BF16 (the default): dh also sees h rounded (1.1e-2 seen under the interpreter)
 
@@ -92,27 +91,12 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
 ]
 
 
-@contextlib.contextmanager
-def _no_host_syncs():
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_mlp_matches_reference_emulation_gpu(case):
-    res = checks.run_mlp_case(case, "cuda", poison=True, triton_context=_no_host_syncs)
+    res = checks.run_mlp_case(case, "cuda", poison=True, triton_context=no_host_syncs)
     print("MXFP8_MLP", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
     bound, fp64_bound = (GPU_BOUND, GPU_FP64_BOUND) if case[10] else (HBF16_BOUND, HBF16_BOUND)
-    for name, err in res["err"].items():
-        assert res["nan"][name] == 0, (case[0], name, res)
-        assert err <= bound, f"{case[0]}: {name} rel. error vs reference emulation {err:.3g} > {bound}"
-        assert res["fp64"][name] <= fp64_bound, f"{case[0]}: {name} vs FP64 {res['fp64'][name]:.3g}"
-    for name, bad in res["nonzero"].items():
-        assert bad == 0, (case[0], name, res["nonzero"])
+    assert_within(case[0], res, bound, fp64_bound)
 
 
 def test_no_host_syncs_after_warmup():
@@ -131,7 +115,7 @@ def test_no_host_syncs_after_warmup():
         return y
 
     fwd_bwd()
-    with _no_host_syncs():
+    with no_host_syncs():
         y = fwd_bwd()
     torch.cuda.synchronize()
     assert torch.isfinite(y).all() and all(torch.isfinite(leaves[k].grad).all() for k in GRADS)
