@@ -2,10 +2,11 @@
 
 Modules: ``schedule`` (device-side tile schedule), ``act_math`` (activation math in Triton),
 ``grouped_gemm`` (FC1/FC2/dgrad kernels with epilogues), ``wgrad`` (variable-K grouped GEMM with
-fused bias gradients), ``autograd`` (the ``torch.autograd.Function``); ``block_scaled`` the autograd
-Function of the block-scaled FP8 recipes, whose kernels come from ``fp8_block/``, for the FP8 block recipe (``Float8BlockScaling``: FP8 wgmma with per-128-block scale promotion,
-quantizing epilogues); ``mxfp8/`` the MXFP8 recipe (``MXFP8BlockScaling``: FP8 wgmma per 32-wide K
-block with exact power-of-two scale promotion, quantizing epilogues).
+fused bias gradients), ``autograd`` (the ``torch.autograd.Function``). The block-scaled FP8 recipes
+share ``block_scaled`` (their autograd Function) and ``block_scaled_launch`` (host-side launch
+helpers); their kernels live in ``fp8_block/`` (``Float8BlockScaling``: FP8 wgmma with per-128-block
+scale promotion) and ``mxfp8/`` (``MXFP8BlockScaling``: operands expanded exactly to BF16 for a BF16
+wgmma), both with quantizing epilogues.
 
 On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
 """

@@ -307,9 +307,9 @@ def fp8_grouped_gemm_kernel(
                                     stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
                                     ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
             if GATED:
-                _store_quantized_halves(du_lo, du_hi, row0, row_ok, pid_n * BN + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
-                                        qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX,
-                                        POW2)
+                _store_quantized_halves(du_lo, du_hi, row0, row_ok, pid_n * BN + q_up_offset, pid_m, q_ptr, stride_qm,
+                                        qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst,
+                                        value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
         else:
             h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
             g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
@@ -327,13 +327,14 @@ def fp8_grouped_gemm_kernel(
                 if GATED:
                     tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
             dg = tl.where(is_padding, 0.0, dg)
-            _store_quantized(dg, row0, row_ok, pid_n * BN, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
-                             stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
+            _store_quantized(dg, row0, row_ok, pid_n * BN, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+                             qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
+                             FP8_MAX, POW2)
             if GATED:
                 du = tl.where(is_padding, 0.0, du)
-                _store_quantized(du, row0, row_ok, pid_n * BN + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
-                                 qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT, EBIAS,
-                                 FP8_MAX, POW2)
+                _store_quantized(du, row0, row_ok, pid_n * BN + q_up_offset, pid_m, q_ptr, stride_qm, qs_ptr,
+                                 stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf,
+                                 ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
 
 
 def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,

@@ -1,12 +1,13 @@
 """The MXFP8 recipe (TE's ``MXFP8BlockScaling``) on the Triton fast path for Hopper (sm_90).
 
-Hopper has FP8 wgmma but no MX (block-scaled) tensor cores, so every GEMM runs FP8 ``tl.dot`` over
-one 32-wide scale block per K step and promotes in FP32: ``acc += dot(a, b^T) * sa[:, None] * sb[None, :]``
-with ``sa``/``sb`` = 2^(e8m0 - 127). E8M0 scales are powers of two, so this promotion is exact: the
-result equals the block-scaled MMA of Blackwell up to the order of the FP32 sums.
+Hopper has FP8 wgmma but no MX (block-scaled) tensor cores. By default every GEMM expands both FP8
+operands exactly to BF16 in registers (times their E8M0 power-of-two scales) and runs a BF16 wgmma;
+the alternative, FP8 wgmma per 32-wide K block with exact FP32 promotion, is kept as an option
+(``gemm`` explains both and what the H200 measured). Either equals the block-scaled MMA of Blackwell
+up to the order of the FP32 sums.
 
 Modules: ``codec`` (E8M0 scale device functions; FP8 bytes come from ``fp8_block.codec``),
 ``quantize`` (quantize kernels, the per-step weight cache), ``gemm`` (grouped GEMMs and the
 quantizing FC1 / dGLU epilogues), ``wgrad`` (weight gradients over each expert's tokens),
-``autograd`` (the ``torch.autograd.Function`` and the recipe/shape checks).
+``autograd`` (the recipe's kernels for ``block_scaled.BlockScaledExpertMLP`` and its recipe check).
 """

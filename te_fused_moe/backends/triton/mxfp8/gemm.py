@@ -1,11 +1,20 @@
-"""MXFP8 grouped GEMMs with per-32-K-block scale promotion and the quantizing MoE epilogues.
+"""MXFP8 grouped GEMMs and the quantizing MoE epilogues.
 
 ``C[rows of expert e] = A_e @ B_e^T`` with ``A`` [T, K] FP8 (1x32 E8M0 scales ``sa`` [T, K/32]) and
 ``B_e`` [N, K] FP8, K-major (1x32 scales along K, ``sb`` [E, N, K/32]). Hopper's wgmma has no MX
-scaling, so every K step is one 32-wide scale block: ``acc += dot(a, b^T) * sa[:, None] * sb[None, :]``
-with ``s = 2^(e8m0 - 127)``. The scales are powers of two, so the promotion multiplies exactly: the
-result is the block-scaled product up to the order of FP32 sums (and the FP8 wgmma's own
-accumulation inside one 32-block, which with K = 32 is a single instruction).
+scaling; two inner loops (``MXGemmConfig.expand_bf16``):
+
+- **expand** (default): K steps of 128; both FP8 tiles are multiplied by their scales
+  ``2^(e8m0 - 127)`` in registers and cast to BF16, which is exact (an FP8 value's 4 significant
+  bits times a power of two fit BF16's 8), then one BF16 wgmma accumulates into the loop-carried
+  FP32 accumulator.
+- **promote**: K steps of 32 (one scale block): ``acc += dot(a, b^T) * sa[:, None] * sb[None, :]``
+  with FP8 wgmma; the power-of-two promotion is exact too.
+
+Both give the block-scaled product up to the order of FP32 sums. Measured on the H200 (runs 12-13,
+``benchmarks/NOTES.md``): expand 150-280 TFLOP/s, promote 100-210: the promotion's per-32-K FP32
+pass on the CUDA cores stalls its short wgmma steps, while expansion is bounded by the conversion
+work done in the MMA warps (producer warps would lift it: warp specialisation).
 
 Modes (``MODE``), as in ``fp8_block.gemm``:
 
@@ -21,17 +30,9 @@ The quantizing modes need ``BM = 128``, ``BN`` 64 or 128 and tiles that start at
 schedule with ``block_m = 128``): a tile's rows then hold four whole 32-token blocks of one expert.
 Quantized outputs are bit-exact with :mod:`te_fused_moe.quantize.mxfp8` on the same FP32 values.
 
-Cost (why this is slower than ``fp8_block`` per FLOP): the promotion is a multiply and an FMA per
-output element per 32-K step on the CUDA cores, against 64 FP8 MMA FLOPs for that element. An H200
-SM retires ~8192 FP8 MMA FLOP/clk but 128 FP32 lanes/clk, so the promotion alone needs about twice
-the tensor-core time of the step: these GEMMs are bounded by ~half the FP8 peak (about the BF16
-peak) even when it overlaps perfectly with the wgmma (``fp8_block`` promotes 4x less often). The
-alternative of BF16 wgmma on exactly dequantized operands (weights kept as BF16 in the cache, the
-FP8 activation tile scaled to BF16 in registers, the tensor core accumulating) lands at the same
-bound: it runs at the BF16 MMA rate. So MXFP8 on Hopper saves memory and bandwidth, not GEMM time.
-
-Interpreter: ``UPCAST`` (``TRITON_INTERPRET=1`` only) converts the FP8 tiles to FP32 before the
-dot; products of FP8 values are exact in FP32, so only the summation order changes.
+Interpreter: ``UPCAST`` (``TRITON_INTERPRET=1`` only) keeps the tiles in FP32 for the dot (the
+interpreter's low-precision dots are wrong); products of FP8 values are exact in FP32, so only the
+summation order changes.
 """
 
 from __future__ import annotations
@@ -381,7 +382,6 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(), EXPAND=cfg.expand_bf16, BM=TILE, BN=cfg.block_n, BK=block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(), EXPAND=cfg.expand_bf16,
+        BM=TILE, BN=cfg.block_n, BK=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
