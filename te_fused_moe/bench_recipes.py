@@ -203,6 +203,20 @@ SCALED_GROUPED_MM = {
 }
 
 
+def selected_implementations(recipes=tuple(RECIPES), with_scaled_grouped_mm: bool = False) -> Dict:
+    """The implementations one run times: the BF16 pair, each chosen recipe's pair, and optionally
+    ``torch._scaled_grouped_mm``."""
+    keep = {"bf16_unfused", "bf16_fused"} | {f"{r}_{kind}" for r in recipes for kind in ("unfused", "fused")}
+    chosen = {name: fn for name, fn in IMPLEMENTATIONS.items() if name in keep}
+    if with_scaled_grouped_mm:
+        chosen.update(SCALED_GROUPED_MM)
+    return chosen
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 # --- measuring ----------------------------------------------------------------------------------------
 
 def fp8_ceiling_tflops() -> float:
@@ -214,9 +228,9 @@ def fp8_ceiling_tflops() -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def bench_impl(name: str, shape: bench.Shape, inputs, peak: float) -> Dict:
+def bench_impl(name: str, shape: bench.Shape, inputs, peak: float, fn) -> Dict:
     try:
-        return bench.bench_implementation(name, shape, inputs, peak, fn=IMPLEMENTATIONS[name])
+        return bench.bench_implementation(name, shape, inputs, peak, fn=fn)
     except Exception as exc:  # recorded, not fatal: the other implementations still run
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
 
@@ -328,7 +342,7 @@ def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
     return {name: bench_kernels(recipe, shape, inputs, fp8_peak, **kw) for name, kw in configs.items()}
 
 
-def weight_cache_report(inputs) -> Dict[str, Dict]:
+def weight_cache_report(inputs, recipes=tuple(RECIPES)) -> Dict[str, Dict]:
     """Per recipe, what the per-step weight cache holds and what it saves per micro-batch (one
     quantization of both weights, both layouts), vs re-quantizing every micro-batch; and what each
     fused path keeps for backward besides the weights."""
@@ -343,7 +357,7 @@ def weight_cache_report(inputs) -> Dict[str, Dict]:
            "saved_for_backward_bytes": {"bf16_fused": 2 * T * H + 2 * T * n1 + 2 * T * F}}  # x, h, a
     # h, the columnwise FP8 copies of x and a, their scales (FP32 per 128 tokens / E8M0 per 32)
     scale_bytes = {"fp8_block": 4 * (H + F) * (slots // 128), "mxfp8": (H + F) * (slots // 32)}
-    for recipe in RECIPES:
+    for recipe in recipes:
         k, spec = recipe_kernels(recipe)
         cache = WeightCache(follow_optimizer_steps=False, quantize_fn=k.quantize_weight)
         cache.get(w1, spec), cache.get(w2, spec)
@@ -358,7 +372,7 @@ def weight_cache_report(inputs) -> Dict[str, Dict]:
 
 
 def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = True,
-        budget_s: float = 150.0) -> Dict:
+        budget_s: float = 150.0, recipes=tuple(RECIPES), with_scaled_grouped_mm: bool = False) -> Dict:
     import triton
 
     start = time.time()
@@ -370,14 +384,15 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         ceilings["fp8_gemm_tflops"] = float("nan")
         ceilings["fp8_gemm_error"] = f"{type(exc).__name__}: {exc}"
     peak = ceilings["bf16_gemm_tflops"]
+    implementations = selected_implementations(recipes, with_scaled_grouped_mm)
     fp8_peak = ceilings["fp8_gemm_tflops"] if ceilings["fp8_gemm_tflops"] == ceilings["fp8_gemm_tflops"] else 2 * peak
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "recipes": {name: dataclasses.asdict(cls()) | {"fp8_format": "E4M3"} for name, cls in RECIPES.items()},
-        "ceilings": ceilings, "shapes": {},
-        "targets": [f"{impl} fwd+bwd >= {x}x {base}" for impl, base, x in TARGETS],
+        "recipes": {name: dataclasses.asdict(RECIPES[name]()) | {"fp8_format": "E4M3"} for name in recipes},
+        "implementations": list(implementations), "ceilings": ceilings, "shapes": {},
+        "targets": [f"{impl} fwd+bwd >= {x}x {base}" for impl, base, x in TARGETS if impl in implementations],
     }
     for name in shape_names:
         if time.time() - start > budget_s:
@@ -387,8 +402,8 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         inputs = bench.make_inputs(shape)
         entry = {"shape": dataclasses.asdict(shape), "counts": inputs["counts"].tolist()}
         ys = {}
-        for impl in IMPLEMENTATIONS:
-            entry[impl] = bench_impl(impl, shape, inputs, peak)
+        for impl, fn in implementations.items():
+            entry[impl] = bench_impl(impl, shape, inputs, peak, fn)
             if "_y" in entry[impl]:
                 ys[impl] = entry[impl].pop("_y")
             torch.cuda.empty_cache()
@@ -396,15 +411,14 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         base = entry["bf16_unfused"]
         entry["ratio_vs_bf16_unfused"] = {
             impl: {k: base[f"{k}_ms"] / entry[impl][f"{k}_ms"] for k in ("fwd", "bwd", "fwd_bwd")}
-            for impl in IMPLEMENTATIONS if "fwd_ms" in entry[impl] and "fwd_ms" in base}
+            for impl in implementations if "fwd_ms" in entry[impl] and "fwd_ms" in base}
         ref = ys.get("bf16_unfused")
         entry["y_rel_err_vs_bf16_unfused"] = {
-            impl: float((y[:routed] - ref[:routed]).norm() / ref[:routed].norm().clamp_min(1e-30))
-            for impl, y in ys.items() if ref is not None}
-        for recipe in RECIPES:  # the fused path vs the same recipe unfused (same quantized operands)
+            impl: _rel_err(y[:routed], ref[:routed]) for impl, y in ys.items() if ref is not None}
+        for recipe in recipes:  # the fused path vs the same recipe unfused (same quantized operands)
             if f"{recipe}_fused" in ys and f"{recipe}_unfused" in ys:
-                a, b = ys[f"{recipe}_fused"][:routed], ys[f"{recipe}_unfused"][:routed]
-                entry[f"y_rel_err_{recipe}_fused_vs_unfused"] = float((a - b).norm() / b.norm().clamp_min(1e-30))
+                entry[f"y_rel_err_{recipe}_fused_vs_unfused"] = _rel_err(ys[f"{recipe}_fused"][:routed],
+                                                                         ys[f"{recipe}_unfused"][:routed])
         entry["targets"] = {}
         for impl, baseline, wanted in TARGETS:
             if "fwd_bwd_ms" in entry.get(impl, {}) and "fwd_bwd_ms" in entry.get(baseline, {}):
@@ -412,8 +426,8 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
                 entry["targets"][f"{impl} vs {baseline}"] = {"speedup": speedup, "wanted": wanted,
                                                              "met": bool(speedup >= wanted)}
         if kernels and time.time() - start < budget_s:
-            entry["kernels"] = {recipe: bench_kernels(recipe, shape, inputs, fp8_peak) for recipe in RECIPES}
-            entry["weight_cache"] = weight_cache_report(inputs)
+            entry["kernels"] = {recipe: bench_kernels(recipe, shape, inputs, fp8_peak) for recipe in recipes}
+            entry["weight_cache"] = weight_cache_report(inputs, recipes)
         report["shapes"][name] = entry
         del inputs, ys
         torch.cuda.empty_cache()
@@ -436,7 +450,7 @@ def summary_table(report: Dict) -> str:
         lines.append(f"\n{name}  ({met})")
         lines.append(f"  {'implementation':32} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b TFLOP/s':>11} "
                      f"{'x fwd':>6} {'x bwd':>6} {'x f+b':>6} {'mem GiB':>8} {'y err vs bf16':>13}")
-        for impl in IMPLEMENTATIONS:
+        for impl in report["implementations"]:
             r = e[impl]
             if "error" in r:
                 lines.append(f"  {impl:32} failed: {r['error'][:150]}")
@@ -451,7 +465,7 @@ def summary_table(report: Dict) -> str:
             lines.append(f"  {recipe} kernels: " + "; ".join(_kernel_summary(k, v) for k, v in kernels.items()))
         w = e.get("weight_cache")
         if w:
-            for recipe in RECIPES:
+            for recipe in report["recipes"]:
                 lines.append(f"  {recipe} weight cache: {w[recipe]['cache_bytes'] / 2**30:.2f} GiB held (bf16 weights "
                              f"{w['bf16_weight_bytes'] / 2**30:.2f} GiB); saves "
                              f"{w[recipe]['requantize_ms_per_microbatch']:.3f} ms of weight quantization per "
@@ -498,8 +512,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--with-scaled-grouped-mm", action="store_true",
                         help="also time torch._scaled_grouped_mm (FP8 rowwise); see SCALED_GROUPED_MM")
     args = parser.parse_args(argv)
-    if args.with_scaled_grouped_mm:
-        IMPLEMENTATIONS.update(SCALED_GROUPED_MM)
     names = args.shapes.split(",")
     unknown = [n for n in names if n not in bench.SHAPES]
     if unknown:
@@ -517,9 +529,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     chosen = args.recipes.split(",")
     if set(chosen) - set(RECIPES):
         parser.error(f"--recipes: unknown {sorted(set(chosen) - set(RECIPES))}; expected names from {sorted(RECIPES)}")
-    for recipe in set(RECIPES) - set(chosen):
-        del IMPLEMENTATIONS[f"{recipe}_unfused"], IMPLEMENTATIONS[f"{recipe}_fused"]
-        del RECIPES[recipe]
-    report = run(names, out_dir=args.out, kernels=not args.no_kernels, budget_s=args.budget_s)
+    report = run(names, out_dir=args.out, kernels=not args.no_kernels, budget_s=args.budget_s, recipes=chosen,
+                 with_scaled_grouped_mm=args.with_scaled_grouped_mm)
     print(summary_table(report))
     return 0
