@@ -45,6 +45,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import yaml  # noqa: E402
 
@@ -117,7 +118,6 @@ def activation_settings(name: str) -> dict:
 
 
 def init_distributed(device: torch.device, expert_parallel: int = 1) -> None:
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -274,8 +274,6 @@ class Trainer:
                                 f"{type(self.optimizer).__name__} (Megatron's fallback without TE/Apex)")
             self.megatron = False
         # CPU with several ranks: all ranks train on the same batches (see reduce_replicated_grads)
-        import torch.distributed as dist
-
         self.replicated = device.type == "cpu" and dist.is_initialized() and dist.get_world_size() > 1
 
     def zero_grad(self):
@@ -297,14 +295,14 @@ class Trainer:
         return True, float(grad_norm)
 
 
-def global_init(gpt, config, seed: int) -> int:
+def global_init(gpt, config, seed: int) -> None:
     """Re-initialise every weight matrix from its own generator, seeded by (seed, parameter name) and,
     for fused experts, by the expert's global index, with Megatron's init std (the scaled std for the
     layers that write into the residual stream: attention ``linear_proj``, MLP and expert ``linear_fc2``).
     Construction order decides which random numbers each weight gets, and sharding experts over ranks
     changes that order (a rank draws only its own experts, and every weight built after them moves);
     this makes the initial model the same for any expert-parallel size. Norm weights and biases are
-    constants already. Returns the number of tensors re-initialised on this rank."""
+    constants already."""
     import zlib
 
     from megatron_patches.experts import FusedExpertsMLP, group_rank
@@ -313,24 +311,19 @@ def global_init(gpt, config, seed: int) -> int:
     scaled = std / math.sqrt(2.0 * config.num_layers)
     std_of = lambda name: scaled if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
     gen = lambda *key: torch.Generator().manual_seed(zlib.crc32(repr((seed,) + key).encode()))
-    experts = {id(p): (m, name) for name, m in gpt.named_modules() if isinstance(m, FusedExpertsMLP)
+    experts = {id(p): m for m in gpt.modules() if isinstance(m, FusedExpertsMLP)
                for p in (m.linear_fc1.weight, m.linear_fc2.weight)}
-    done = 0
     with torch.no_grad():
         for name, p in gpt.named_parameters():
             if p.dim() < 2:
                 continue
             if id(p) in experts:  # [local experts, ...]: one generator per global expert
-                module, _ = experts[id(p)]
+                module = experts[id(p)]
                 first = group_rank(module.ep_group) * module.num_local_experts
                 for i in range(p.shape[0]):
                     p[i].copy_(torch.randn(p[i].shape, generator=gen(name, first + i)) * std_of(name))
-                    done += 1
             else:
                 p.copy_(torch.randn(p.shape, generator=gen(name)) * std_of(name))
-                done += 1
-    return done
-
 
 def reduce_replicated_grads(model, clip: float) -> float:
     """The CPU expert-parallel harness: every rank ran the same batch, so the step must equal the
@@ -339,7 +332,6 @@ def reduce_replicated_grads(model, clip: float) -> float:
     group (each sent it its copy), so it is divided by that group's size, then averaged over the
     expert's replicas (expert data parallel). Then the global gradient norm (each parameter counted
     once) clips as ``clip_grad_norm_`` would in one process. Returns that norm."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     world = dist.get_world_size()
@@ -479,8 +471,6 @@ def train(args) -> dict:
         experts = sorted({type(m.experts).__name__ for m in gpt.modules() if hasattr(m, "experts")})
         backend = resolved_backends(gpt, device, config.params_dtype)
         trainer = Trainer(gpt, args.lr or train_cfg.get("lr", 3e-4), config, device)
-        import torch.distributed as dist
-
         world, rank = dist.get_world_size(), dist.get_rank()
         data_ranks = world if device.type == "cuda" else 1  # CPU: the replicated harness (see the flag)
         source, get_batch = batches(model, iters, args.seed, device, rank % data_ranks, data_ranks)
@@ -501,9 +491,9 @@ def train(args) -> dict:
         layer_graphs = uses_megatron_layer_graphs(config)
 
         say(f"[pretrain_moe] {name}: impl={impl} experts={experts} backend={backend} device={device} "
-              f"cuda_graph={cuda_graph} {graph_fields} ranks={world} ep={args.expert_model_parallel_size} "
-              f"params={sum(p.numel() for p in gpt.parameters()) / 1e6:.2f}M data={source.split(' (')[0]}",
-              flush=True)
+            f"cuda_graph={cuda_graph} {graph_fields} ranks={world} ep={args.expert_model_parallel_size} "
+            f"params={sum(p.numel() for p in gpt.parameters()) / 1e6:.2f}M data={source.split(' (')[0]}",
+            flush=True)
         steps = []
         for step in range(iters):
             tokens, labels, loss_mask, position_ids = get_batch(step)
@@ -526,7 +516,7 @@ def train(args) -> dict:
                       "grad_norm": grad_norm, "update_ok": update_ok}
             steps.append(record)
             say(f"[pretrain_moe] step {step + 1:4d}/{iters} loss {record['loss']:.4f} "
-                  f"tokens/s {record['tokens_per_s']:.0f} step {dt * 1e3:.1f} ms", flush=True)
+                f"tokens/s {record['tokens_per_s']:.0f} step {dt * 1e3:.1f} ms", flush=True)
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss is {record['loss']} at step {step + 1}")
 
@@ -592,8 +582,6 @@ def main(argv=None):
             train(args)
     else:
         train(args)
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 
