@@ -49,7 +49,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ != "__main__":
     pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
 
-GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
 TIGHT, LOOSE, FP64_BOUND = 2e-3, 3e-2, 2e-2
 
 # (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, tma, frozen, fp8_format[, dtype])
