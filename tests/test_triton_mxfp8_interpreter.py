@@ -469,54 +469,12 @@ def sm90_build_report() -> dict:
     """Compile every MXFP8 kernel variant the backend launches by default for sm_90a with the Triton
     wheel's ptxas (no GPU): per kernel the FP8 wgmma instructions (QGMMA) in its SASS, its stack
     (spill) bytes, and the spill loads/stores inside its K loop. Needs TRITON_INTERPRET unset."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90_build import build_sm90 as build
 
     from te_fused_moe.backends.triton.act_math import ACT_IDS
     from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q, wgrad as W
 
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    target = GPUTarget("cuda", 90, 32)
     spec = Q.MXSpec().constexprs()
-
-    def build(fn, types, consts, num_warps=8, num_stages=4):
-        sig = {n: "i32" for n in fn.arg_names}
-        sig.update(types)
-        sig.update({c: "constexpr" for c in consts})
-        # a real launch specialises pointers and 16-divisible strides/sizes on divisibility by 16
-        # (vectorised accesses); without these hints the build looks far more register-bound
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
-        k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(k.asm["cubin"])
-            usage = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
-                                   capture_output=True, text=True, check=True).stdout
-            sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), path], capture_output=True, text=True,
-                                  check=True).stdout.splitlines()
-        out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
-               "hgmma": sum("HGMMA" in l for l in sass)}
-        # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
-        mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
-        if mma:
-            labels = {m.group(1): i for i, line in enumerate(sass) for m in [re.match(r"\s*\.(L_x_\d+):", line)] if m}
-            loop = []
-            for i in range(mma[-1], len(sass)):
-                m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", sass[i])
-                if m and labels.get(m.group(1), len(sass)) < mma[0]:
-                    loop = sass[labels[m.group(1)]: i + 1]
-                    break
-            out["loop_found"] = bool(loop)
-            out["loop_spills"] = sum(("STL" in line) or ("LDL" in line) for line in loop)
-        return out
 
     ptrs = dict(as_ptr="*u8", bs_ptr="*u8", c_ptr="*bf16", q_ptr="*u8", qs_ptr="*u8", qt_ptr="*u8", qts_ptr="*u8",
                 h_ptr="*bf16", bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", dbias_ptr="*fp32",
@@ -596,11 +554,10 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
     may spill a little (outside the loop: 120 stack bytes seen)."""
     import subprocess
 
-    import triton
+    from sm90_build import have_tools, tools_dir
 
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not all(os.path.exists(os.path.join(bin_dir, b)) for b in ("ptxas", "cuobjdump", "nvdisasm")):
-        pytest.skip(f"the Triton wheel has no NVIDIA tools in {bin_dir}: cannot build for sm_90a offline")
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", "import test_triton_mxfp8_interpreter as t; t._sm90_worker()"],
@@ -683,7 +640,7 @@ def test_mlp_matches_reference_emulation(results, case):
 
 def test_supports_names_the_recipe_subset():
     """MXFP8 E4M3 and HYBRID are taken; a recipe outside that (only constructible by bypassing the
-    recipe's own check) is refused naming fp8_format; NVFP4 stays 'planned'; bad dtypes are named."""
+    recipe's own check) is refused naming fp8_format; bad dtypes are named."""
     from te_fused_moe.activations import ActivationConfig
     from te_fused_moe.backends import get_backend
     from te_fused_moe.recipes import Format, MXFP8BlockScaling, as_recipe
@@ -698,8 +655,6 @@ def test_supports_names_the_recipe_subset():
     verdict = backend.supports(act, odd, torch.bfloat16)
     assert not verdict and "MXFP8BlockScaling with fp8_format=E4M3 or HYBRID" in verdict.reason, verdict
     assert "fp8_format=E5M2" in verdict.reason, verdict
-    verdict = backend.supports(act, as_recipe("nvfp4"), torch.bfloat16)
-    assert not verdict and "planned" in verdict.reason and "nvfp4" in verdict.reason, verdict
     verdict = backend.supports(act, MXFP8BlockScaling(), torch.float32)
     assert not verdict and "bfloat16 or float16" in verdict.reason, verdict
 

@@ -1,0 +1,64 @@
+"""Offline sm_90a builds of Triton kernels on a CPU machine (no GPU): Triton's compiler plus the
+ptxas / cuobjdump / nvdisasm in the Triton wheel. Used by the interpreter tests to catch GPU compile
+errors and register spills before any device time is spent. Needs TRITON_INTERPRET unset."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+TOOLS = ("ptxas", "cuobjdump", "nvdisasm")
+
+
+def tools_dir() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def have_tools() -> bool:
+    return all(os.path.exists(os.path.join(tools_dir(), b)) for b in TOOLS)
+
+
+def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4) -> dict:
+    """Compiles jit function ``fn`` for sm_90a (arguments not in ``types`` are i32, ``consts`` are
+    constexprs). Returns its stack (spill) bytes, its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma
+    counts and, when it has wgmma, whether its K loop was found and the spill loads/stores inside it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(types)
+    sig.update({c: "constexpr" for c in consts})
+    # a real launch specialises pointers and 16-divisible strides/sizes on divisibility by 16
+    # (vectorised accesses); without these hints the build looks far more register-bound
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        usage = subprocess.run([os.path.join(tools_dir(), "cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools_dir(), "nvdisasm"), path], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
+           "hgmma": sum("HGMMA" in l for l in sass)}
+    # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
+    mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
+    if mma:
+        labels = {m.group(1): i for i, line in enumerate(sass) for m in [re.match(r"\s*\.(L_x_\d+):", line)] if m}
+        loop = []
+        for i in range(mma[-1], len(sass)):
+            m = re.search(r"BRA.*`\(\.(L_x_\d+)\)", sass[i])
+            if m and labels.get(m.group(1), len(sass)) < mma[0]:
+                loop = sass[labels[m.group(1)]: i + 1]
+                break
+        out["loop_found"] = bool(loop)
+        out["loop_spills"] = sum(("STL" in line) or ("LDL" in line) for line in loop)
+    return out
