@@ -85,6 +85,15 @@ def _new(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
 
 
+def empty_input_grads(need, x, w1, w2, probs) -> tuple:
+    """The backward's results when ``x`` has no rows: zeros for every input that needs a gradient."""
+    zeros = lambda t, n: torch.zeros_like(t) if n else None
+    return (zeros(x, need[0]), None, zeros(w1, need[2]), zeros(w2, need[3]),
+            torch.zeros((w1.shape[0], w1.shape[1]), device=x.device, dtype=x.dtype) if need[4] else None,
+            torch.zeros((w1.shape[0], x.shape[1]), device=x.device, dtype=x.dtype) if need[5] else None,
+            zeros(probs, need[6]) if probs is not None else None, None, None, None)
+
+
 class BlockScaledExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs, kernels: RecipeKernels):
@@ -124,12 +133,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
     def backward(ctx, dy):
         need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, specs, kernels
         if ctx.empty:
-            x, w1, w2, probs = ctx.saved_tensors
-            zeros = lambda t, n: torch.zeros_like(t) if n else None
-            return (zeros(x, need[0]), None, zeros(w1, need[2]), zeros(w2, need[3]),
-                    torch.zeros((w1.shape[0], w1.shape[1]), device=x.device, dtype=x.dtype) if need[4] else None,
-                    torch.zeros((w1.shape[0], x.shape[1]), device=x.device, dtype=x.dtype) if need[5] else None,
-                    zeros(probs, need[6]) if probs is not None else None, None, None, None)
+            return empty_input_grads(need, *ctx.saved_tensors)
         w1, w2, probs, h = ctx.saved_tensors
         k = ctx.kernels
         like = w1  # new buffers like x: same dtype and device (validated)

@@ -268,7 +268,7 @@ def _gemm_tile(
             a_ptrs += BK * stride_ak
             b_ptrs += BK * stride_bk
     if GATE_UP_BOX:
-        acc, acc_up = _column_halves(acc, BM, BN)
+        acc, acc_up = column_halves(acc, BM, BN)
 
     # --- epilogue, FP32
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -281,24 +281,14 @@ def _gemm_tile(
             acc += bias.to(tl.float32)[None, :]
         tl.store(c_ptrs, to_output(acc, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
     elif MODE == 1:
-        h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-            if GATED:
-                bias_up = tl.load(bias_ptr + expert * stride_bias_e + bias_up_offset + cols, mask=bias_mask, other=0.0)
-                acc_up += bias_up.to(tl.float32)[None, :]
-        tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
         if GATED:
-            tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
-            value = act_forward(acc, acc_up, alpha, limit, ACT)
+            fc1_epilogue(acc, acc_up, rows64, row_ok, cols, col_ok, bias_mask, bias_ptr + expert * stride_bias_e,
+                         bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding,
+                         alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST)
         else:
-            value = act_forward(acc, acc, alpha, limit, ACT)
-        if HAS_PROBS:
-            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
-            value = value * p[:, None]
-        value = tl.where(is_padding, 0.0, value)
-        tl.store(c_ptrs, to_output(value, c_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+            fc1_epilogue(acc, acc, rows64, row_ok, cols, col_ok, bias_mask, bias_ptr + expert * stride_bias_e,
+                         bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding,
+                         alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST)
     else:
         # acc = da, the gradient of act(h) * p. The epilogue runs on two column halves of the tile
         # in turn: with BN=128 the whole tile at once (da, gate, up and their grads live together)
@@ -308,14 +298,14 @@ def _gemm_tile(
         else:
             p = tl.full((BM,), 1.0, tl.float32)
         if SPLIT_EPILOGUE:
-            acc_lo, acc_hi = _column_halves(acc, BM, BN // 2)
+            acc_lo, acc_hi = column_halves(acc, BM, BN // 2)
             cols_lo = pid_n * BN + tl.arange(0, BN // 2)
-            part = _dact_epilogue(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm, h_up_offset, c_ptr,
+            part = dact_epilogue(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm, h_up_offset, c_ptr,
                                   stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
-            part += _dact_epilogue(acc_hi, rows64, row_ok, cols_lo + BN // 2, N, p, h_ptr, stride_hm, h_up_offset,
+            part += dact_epilogue(acc_hi, rows64, row_ok, cols_lo + BN // 2, N, p, h_ptr, stride_hm, h_up_offset,
                                    c_ptr, stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
         else:
-            part = _dact_epilogue(acc, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm,
+            part = dact_epilogue(acc, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm,
                                   c_up_offset, alpha, limit, ACT, GATED, UPCAST)
         if WRITE_DPROB:  # probs may scale the activation without needing a gradient
             if DPROB_PARTIALS:
@@ -325,13 +315,39 @@ def _gemm_tile(
 
 
 @triton.jit
-def _column_halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
+def fc1_epilogue(acc, acc_up, rows64, row_ok, cols, col_ok, bias_mask, bias_row_ptr, bias_up_offset, h_ptr, stride_hm,
+                 h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding, alpha, limit, ACT: tl.constexpr,
+                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, UPCAST: tl.constexpr):
+    """FC1 epilogue of FP32 ``acc`` (gate) / ``acc_up``: h = acc + b1 saved, ``c`` = act(h) * p (zeros
+    for the padding group). ``bias_row_ptr``: the expert's b1 row (``bias_mask`` False for padding)."""
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_row_ptr + cols, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row_ptr + bias_up_offset + cols, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+    if GATED:
+        tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        value = act_forward(acc, acc_up, alpha, limit, ACT)
+    else:
+        value = act_forward(acc, acc, alpha, limit, ACT)
+    if HAS_PROBS:
+        p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        value = value * p[:, None]
+    value = tl.where(is_padding, 0.0, value)
+    tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(value, c_ptr.dtype.element_ty, UPCAST),
+             mask=out_mask)
+
+
+@triton.jit
+def column_halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
     """x[:, :HALF], x[:, HALF:] of a [ROWS, 2 * HALF] tile, in registers."""
     return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, HALF)), (0, 2, 1)))
 
 
 @triton.jit
-def _dact_epilogue(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, c_up_offset,
+def dact_epilogue(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, c_up_offset,
                    alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr):
     """dh = d act(h) * (da * p) for one block of columns; returns the row sums of da * act(h)."""
     mask = row_ok[:, None] & (cols < N)[None, :]
