@@ -260,7 +260,7 @@ def test_availability_and_errors_on_cpu(monkeypatch):
     assert not bad_dtype and "bfloat16 or float16" in bad_dtype.reason
     assert backend.supports(ActivationConfig("geglu"), as_recipe("bf16"), torch.bfloat16)
     assert backend.supports(ActivationConfig("swiglu"), as_recipe("mxfp8"), torch.bfloat16)
-    assert not backend.supports(ActivationConfig("swiglu"), as_recipe("nvfp4"), torch.bfloat16)
+    assert backend.supports(ActivationConfig("swiglu"), as_recipe("nvfp4"), torch.bfloat16)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     w1 = torch.randn(2, 16, 16, dtype=torch.bfloat16)

@@ -6,7 +6,8 @@ fused bias gradients), ``autograd`` (the ``torch.autograd.Function``). The block
 share ``block_scaled`` (their autograd Function) and ``block_scaled_launch`` (host-side launch
 helpers); their kernels live in ``fp8_block/`` (``Float8BlockScaling``: FP8 wgmma with per-128-block
 scale promotion) and ``mxfp8/`` (``MXFP8BlockScaling``: operands expanded exactly to BF16 for a BF16
-wgmma), both with quantizing epilogues.
+wgmma), both with quantizing epilogues; ``nvfp4/`` (``NVFP4BlockScaling``: E2M1 operands expanded
+exactly to BF16, per-expert tensor scales from separate amax passes) has its own autograd Function.
 
 On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
 """
@@ -69,9 +70,8 @@ class TritonBackend(Backend):
         elif not _is_bf16_recipe(recipe):
             return Availability(
                 False,
-                f"backend='triton' implements the bf16, fp8_block (Float8BlockScaling) and mxfp8 (MXFP8BlockScaling) "
-                f"recipes, got {recipe_name} (NVFP4 on Hopper is planned: E2M1 operands expanded to BF16 in the "
-                f"kernel; use backend='reference', or backend='cudnn' on SM100+)",
+                f"backend='triton' implements the bf16, fp8_block (Float8BlockScaling), mxfp8 (MXFP8BlockScaling) "
+                f"and nvfp4 (NVFP4BlockScaling) recipes, got {recipe_name} (use backend='reference')",
             )
         from .act_math import ACT_IDS
 
@@ -110,9 +110,13 @@ def _is_bf16_recipe(recipe) -> bool:
 
 
 def _block_scaled_kernels(recipe):
-    """The kernels of a block-scaled FP8 recipe (``block_scaled.RecipeKernels``), or None (BF16 or other)."""
-    from ...recipes import Float8BlockScaling, MXFP8BlockScaling
+    """The kernels of a block-scaled recipe (``block_scaled.RecipeKernels`` or ``nvfp4.autograd.NVFP4Kernels``), or None (BF16)."""
+    from ...recipes import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
+    if isinstance(recipe, NVFP4BlockScaling):
+        from .nvfp4.autograd import KERNELS
+
+        return KERNELS
     if isinstance(recipe, Float8BlockScaling):
         from .fp8_block.autograd import KERNELS
 

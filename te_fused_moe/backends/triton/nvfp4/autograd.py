@@ -1,0 +1,156 @@
+"""The NVFP4 expert MLP on the Triton backend (``NVFP4BlockScaling`` on Hopper).
+
+Forward:  weights from the per-step cache (16x16 tiles) ; x: amax pass, quantize pass (rowwise
+          for FC1, columnwise + RHT for w1's wgrad) -> FC1 (+b1, act, x probs; h saved; ``a`` in
+          FP32) -> ``a``: amax pass, quantize pass (rowwise for FC2, columnwise + RHT for w2's
+          wgrad) -> FC2 (+b2) -> y.
+Backward: dy: amax, quantize (stochastic rounding; rowwise for the dgrad, columnwise + RHT for
+          w2's wgrad; per-tile column sums for db2) -> FC2 dgrad with the dGLU epilogue (``dh`` in
+          FP32, dprob partials) -> dh: amax, quantize (stochastic; per-tile column sums for db1)
+          -> FC1 dgrad (dx) -> wgrad of w2 and of w1.
+
+Numerics are the reference backend's (``backends/reference/gemm.py``) for the same recipe: every
+expert slice of every GEMM operand is its own NVFP4 tensor, quantized along that GEMM's reduction
+axis; ``a`` and ``dh`` are quantized from FP32. Differences: FP32 summation order (the GEMMs' and,
+with RHT, the transform's; the reference transforms in FP64), which can move a value next to an
+E2M1 rounding boundary by one step; ``h`` saved in ``block_scaled.H_DTYPE``; and the stochastic
+rounding draws its bits from Philox on the device instead of PyTorch's generator (same
+distribution, different draws).
+
+Why the activations are not quantized in the GEMM epilogues as the FP8 recipes do: NVFP4's
+per-tensor scale needs the amax of the expert's whole slice before any element is encoded, so each
+of ``x``, ``a``, ``dy``, ``dh`` costs one FP32 write (``a``, ``dh``), an amax read and a quantize read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from .. import block_scaled
+from ..block_scaled import empty_input_grads
+from ..fp8_block.wgrad import tile_sums_to_experts
+from ..schedule import build_schedule, max_m_tiles
+from . import gemm
+from .quantize import TILE, WEIGHT_CACHE, NVSpec, quantize_rows, quantize_weight
+from .wgrad import nv_grouped_wgrad
+
+
+def specs_of(recipe):
+    """(activations, gradients, weights) specs of an NVFP4BlockScaling recipe."""
+    rht = not recipe.disable_rht
+    return (NVSpec(stochastic=False, rht=rht),
+            NVSpec(stochastic=not recipe.disable_stochastic_rounding, rht=rht),
+            NVSpec(stochastic=False, rht=False, block_2d=not recipe.disable_2d_quantization))
+
+
+def _new(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return block_scaled.ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+class NVFP4ExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs):
+        spec, grad_spec, weight_spec = specs
+        need = ctx.needs_input_grad
+        num_rows, hidden = x.shape
+        num_experts, n1, _ = w1.shape
+        ffn = w2.shape[2]
+        act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
+        y = _new((num_rows, hidden), x)
+        ctx.act, ctx.grad_spec = act, grad_spec
+        ctx.empty = num_rows == 0
+        if ctx.empty:
+            ctx.save_for_backward(x, w1, w2, probs)
+            return y
+        schedule = build_schedule(tokens_per_expert, num_rows, TILE)
+        w1q = WEIGHT_CACHE.get(w1, weight_spec)
+        w2q = WEIGHT_CACHE.get(w2, weight_spec)
+        xq = quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=block_scaled.ALLOC)
+        h = _new((num_rows, n1), x, block_scaled.H_DTYPE or x.dtype)
+        a = _new((num_rows, ffn), x, torch.float32)
+        gemm.launch("fc1", xq, w1q, ffn, schedule, num_experts, c=a, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1,
+                    bias_up_offset=ffn, probs=probs, **act)
+        aq = quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=block_scaled.ALLOC)
+        gemm.launch("fc2", aq, w2q, hidden, schedule, num_experts, c=y, bias=b2)
+        ctx.save_for_backward(w1, w2, probs, h)
+        ctx.x_shape = x.shape
+        ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+        ctx.xq, ctx.aq = xq, aq  # backward reads their columnwise copies
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, specs
+        if ctx.empty:
+            return empty_input_grads(need, *ctx.saved_tensors)[:9]
+        w1, w2, probs, h = ctx.saved_tensors
+        spec, schedule, alloc = ctx.grad_spec, ctx.schedule, block_scaled.ALLOC
+        dy = dy.contiguous()
+        num_rows, hidden = ctx.x_shape
+        num_experts, n1, _ = w1.shape
+        ffn = w2.shape[2]
+        m_tiles = max_m_tiles(num_rows, num_experts, TILE)
+        want_dprob = probs is not None and need[6]
+        need_dact = need[0] or need[2] or need[4] or want_dprob
+        dx = dw1 = dw2 = db1 = db2 = dprobs = dhq = None
+
+        db2_parts = _new((m_tiles, hidden), w1, torch.float32) if need[5] else None
+        dyq = quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=alloc,
+                            col_sums=db2_parts)
+        if need_dact:
+            dh = _new((num_rows, n1), w1, torch.float32)
+            cfg = gemm.default_config("dact")
+            dprob_buf = _new((triton.cdiv(ffn, cfg.block_n), num_rows), w1, torch.float32) if want_dprob else None
+            gemm.launch("dact", dyq, ctx.w2q, ffn, schedule, num_experts, b_transposed=True, c=dh, c_up_offset=ffn,
+                        h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf, config=cfg, **ctx.act)
+            if want_dprob:
+                dprobs = dprob_buf.sum(0).to(probs.dtype)
+            db1_parts = _new((m_tiles, n1), w1, torch.float32) if need[4] else None
+            dhq = quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2], alloc=alloc,
+                                col_sums=db1_parts)
+            if need[4]:
+                db1 = _new((num_experts, n1), w1)
+                tile_sums_to_experts(db1_parts, schedule, db1)
+        if need[0]:
+            dx = _new((num_rows, hidden), w1)
+            gemm.launch("dgrad", dhq, ctx.w1q, hidden, schedule, num_experts, b_transposed=True, c=dx)
+        if need[3]:
+            dw2 = _new(w2.shape, w2)
+            nv_grouped_wgrad(dyq, ctx.aq, schedule, dw2)
+        if need[5]:
+            db2 = _new((num_experts, hidden), w1)
+            tile_sums_to_experts(db2_parts, schedule, db2)
+        if need[2]:
+            dw1 = _new(w1.shape, w1)
+            nv_grouped_wgrad(dhq, ctx.xq, schedule, dw1)
+        return dx, None, dw1, dw2, db1, db2, dprobs, None, None
+
+
+class NVFP4Kernels:
+    """What the Triton backend asks of a quantized recipe's kernels (as ``block_scaled.RecipeKernels``)."""
+
+    recipe_name = "NVFP4BlockScaling"
+    tile = TILE
+    weight_cache = WEIGHT_CACHE
+    quantize_weight = staticmethod(quantize_weight)
+
+    @staticmethod
+    def unsupported(recipe) -> Optional[str]:
+        return None  # every NVFP4BlockScaling option (RHT, stochastic rounding, 1D/2D weights) is implemented
+
+    def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
+        return block_scaled.RecipeKernels.check_shapes(self, hidden, ffn)
+
+    @staticmethod
+    def expert_mlp(args) -> torch.Tensor:
+        reason = KERNELS.check_shapes(args.hidden_size, args.ffn_hidden_size)
+        if reason is not None:
+            raise ValueError(reason)
+        return NVFP4ExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
+                                    args.activation, specs_of(args.recipe))
+
+
+KERNELS = NVFP4Kernels()

@@ -1,0 +1,124 @@
+"""NVFP4 arithmetic as Triton device functions, bit-exact with :mod:`te_fused_moe.quantize.nvfp4`
+(TE's rules, restated there): the FP32 tensor scales from a tensor amax, the E4M3 block scale and
+encode multiplier of a 1x16 block, the E2M1 encodings (nearest-even and stochastic) and the
+expansion of packed E2M1 codes times their block scales to BF16 for the GEMMs.
+
+Hopper has no FP4 conversion instruction (``cvt.rn.satfinite.e2m1x2.f32`` is sm_100+), so the
+E2M1 rounding is done by comparisons against the midpoints of the E2M1 grid; the E4M3 scale cast
+is ``fp8_block.codec.encode_fp8`` (the hardware ``cvt`` on the GPU).
+"""
+
+import triton
+import triton.language as tl
+
+from ..fp8_block.codec import encode_fp8
+
+# global constexprs: jit code reads them
+E2M1_MAX = tl.constexpr(6.0)
+E4M3_MAX = tl.constexpr(448.0)
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+ENCODE_NUMERATOR = tl.constexpr(2688.0)  # E4M3_MAX * E2M1_MAX
+DEQUANT_FACTOR = tl.constexpr(1.0 / 2688.0)  # TE's fp32(1 / (6 * 448)): dequantization multiplies by amax * this
+
+
+@triton.jit
+def tensor_scales(amax):
+    """(S_enc, S_dec) of a NaN-free tensor amax >= 0: ``S_enc = min(2688 / amax, FLT_MAX)``, 1 when
+    amax is 0 or Inf; ``S_dec = 1 / S_enc`` (FP32, rounded to nearest)."""
+    s_enc = tl.math.div_rn(tl.full(amax.shape, ENCODE_NUMERATOR, tl.float32), amax)
+    s_enc = tl.minimum(s_enc, FLOAT32_MAX)
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    return s_enc, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+
+
+@triton.jit
+def e4m3_to_float(code):
+    """FP32 value of an E4M3 code (never NaN here: the quantizers' scales are satfinite)."""
+    c = code.to(tl.int32)
+    e = (c >> 3) & 0xF
+    m = c & 7
+    significand = tl.where(e == 0, m, m + 8).to(tl.float32)
+    pow2 = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 10), e >= 1
+    return significand * pow2
+
+
+@triton.jit
+def block_scale(block_amax, s_enc, s_dec):
+    """(E4M3 scale code, encode multiplier) of 1x16 blocks with NaN-free ``block_amax``:
+    ``s = e4m3(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX))``, ``r = min(1 / (s * S_dec), FLT_MAX)``."""
+    multiplier = s_enc * (1.0 / 6.0)
+    code = encode_fp8(tl.minimum(block_amax * multiplier, FLOAT32_MAX), 3, 7, E4M3_MAX)
+    r = tl.math.div_rn(tl.full(block_amax.shape, 1.0, tl.float32), e4m3_to_float(code) * s_dec)
+    return code, tl.minimum(r, FLOAT32_MAX)
+
+
+@triton.jit
+def e2m1_encode(v):
+    """uint8 E2M1 code (sign bit 3) of FP32 ``v``: nearest, ties to even, satfinite to +-6, NaN -> +6,
+    sign of zero kept. The magnitude code counts the grid midpoints below |v| (0.25, 0.75, 1.25,
+    1.75, 2.5, 3.5, 5); a tie goes to the even code, hence ``>`` or ``>=`` per midpoint."""
+    a = tl.abs(v)
+    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    sign = ((v.to(tl.uint32, bitcast=True) >> 28) & 8).to(tl.int32)
+    return tl.where(v != v, 7, mag | sign).to(tl.uint8)
+
+
+@triton.jit
+def e2m1_step(a):
+    """E2M1 grid spacing at magnitude ``a``: 0.5 below 2, 1 in [2, 4), 2 from 4 on."""
+    return tl.where(a >= 4.0, 2.0, tl.where(a >= 2.0, 1.0, 0.5))
+
+
+@triton.jit
+def e2m1_encode_stochastic(v, bits):
+    """E2M1 code of FP32 ``v`` rounded stochastically with 8 random bits per element (``bits`` int32
+    in [0, 256)): TE's ``stochastic_round_fp4_e2m1`` as :func:`formats.stochastic_round_e2m1`
+    defines it: ``t = |v| + (bits / 256) * step(|v|)``, floored onto the grid at ``t``'s step,
+    saturated to 6, the sign of ``v`` kept; NaN -> +6."""
+    a = tl.abs(v)
+    t = a + (bits.to(tl.float32) * (1.0 / 256.0)) * e2m1_step(a)
+    step = e2m1_step(t)
+    q = tl.minimum(tl.floor(t / step) * step, E2M1_MAX)
+    sign = ((v.to(tl.uint32, bitcast=True) >> 28) & 8).to(tl.int32)
+    code = e2m1_encode(q).to(tl.int32) | sign  # q is on the grid: the nearest-even encoding is exact
+    return tl.where(v != v, 7, code).to(tl.uint8)
+
+
+@triton.jit
+def pack_pairs(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] E2M1 codes -> [ROWS, COLS / 2] bytes: element 2j in the low nibble of byte j."""
+    lo, hi = tl.split(tl.reshape(codes.to(tl.uint8), (ROWS, COLS // 2, 2)))
+    return lo | (hi << 4)
+
+
+@triton.jit
+def e2m1_values(c, UPCAST: tl.constexpr):
+    """E2M1 codes ``c`` (uint8 nibbles) as BF16 (FP32 under the interpreter), built from bits: a
+    magnitude code m >= 2 is the BF16 pattern ``(m + 252) << 6`` (1 = 0x3F80 ... 6 = 0x40C0), m = 1
+    (0.5) is ``252 << 6``, m = 0 is zero."""
+    if UPCAST:
+        c32 = c.to(tl.uint32)
+        m = c32 & 7
+        bits = tl.where(m == 0, 0, (tl.where(m == 1, 252, m + 252)) << 22) | ((c32 & 8) << 28)
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        c16 = c.to(tl.uint16)
+        m = c16 & 7
+        bits = tl.where(m == 0, 0, (tl.where(m == 1, 252, m + 252)) << 6) | ((c16 & 8) << 12)
+        return bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e2m1_expand(packed, scale_codes, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+    """Packed E2M1 tile ``packed`` [ROWS, COLS / 2] (uint8) times its E4M3 block scales
+    ``scale_codes`` [ROWS, COLS / 16], as BF16 [ROWS, COLS] (FP32 under the interpreter). Exact: an
+    E2M1 value (2 significant bits) times an E4M3 scale (4) fits BF16's 8 significant bits. The low
+    and high nibbles are scaled apart (byte j holds elements 2j, 2j + 1 of block j // 8) and
+    interleaved last, so the wide intermediates are 16-bit."""
+    scale = e4m3_to_float(scale_codes)
+    if not UPCAST:
+        scale = scale.to(tl.bfloat16)  # exact: 4 significant bits
+    lo = tl.reshape(e2m1_values(packed & 0xF, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
+    hi = tl.reshape(e2m1_values(packed >> 4, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
+    return tl.reshape(tl.join(tl.reshape(lo, (ROWS, COLS // 2)), tl.reshape(hi, (ROWS, COLS // 2))), (ROWS, COLS))

@@ -1,0 +1,226 @@
+"""NVFP4 grouped GEMMs with the MoE epilogues.
+
+``C[rows of expert e] = A_e @ B_e^T`` with ``A`` [T, K] NVFP4 (packed ``[T, K/2]``, 1x16 E4M3
+scales ``sa`` [T, K/16], one tensor amax per group ``amax_a`` [E + 1]) and ``B_e`` [N, K] NVFP4,
+K-major (``[E, N, K/2]``, scales ``[E, N, K/16]``, ``amax_b`` [E]).
+
+Hopper has neither FP4 nor block-scaled tensor cores, so every K step of 128 expands both operands
+in registers — E2M1 code times its E4M3 block scale, which is exact in BF16 (2 + 4 significant bits
+fit 8) — and runs one BF16 wgmma into the loop-carried FP32 accumulator. The two tensor scales are
+one FP32 factor per tile, ``(amax_a / 2688) * (amax_b / 2688)``, applied in the epilogue. That is
+the Blackwell block-scaled MMA's product up to the order of FP32 sums (the reference dequantizes
+each element with the factor rounded in; the difference is FP32 rounding).
+
+Unlike the FP8 recipes, the FC1 and dGLU epilogues write ``a`` / ``dh`` in FP32 rather than
+quantized: their tensor scale needs the amax of the whole expert slice first (``quantize`` runs
+the amax and quantize passes after the GEMM).
+
+Modes (``MODE``): ``PLAIN`` ``C = A @ B^T (+ bias)`` (FC2 forward, FC1 dgrad); ``FC1`` h saved and
+``a = act(h) * p`` (``grouped_gemm.fc1_epilogue``); ``DACT`` ``dh = d act(h) * (da * p)`` and
+dprob partials (``grouped_gemm.dact_epilogue``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..act_math import ACT_IDS, to_output
+from ..block_scaled_launch import tma_allowed
+from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting
+from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
+from .codec import DEQUANT_FACTOR, e2m1_expand
+from .quantize import TILE
+
+MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
+BLOCK_K = 128  # elements per K step: 64 bytes of packed codes, eight scale blocks
+USE_TMA_DEFAULT = True  # tests flip it to cover the pointer-load path under the interpreter
+
+
+@dataclass(frozen=True)
+class NVGemmConfig:
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    split_epilogue: bool = True  # dGLU epilogue in two 64-column halves (register pressure)
+
+
+def default_config(kind: str) -> NVGemmConfig:
+    """BM = 128 (schedule tiles), BK = 128. Starting points from MXFP8's expansion loop, measured on
+    the H200 (``mxfp8.gemm.default_config``): FC1 at BN = 128, 8 warps; the dGLU at BN = 64, 8 warps;
+    FC2 / FC1 dgrad 128x64 tiles at 4 warps (several CTAs per SM overlap one's expansion with
+    another's wgmma)."""
+    if kind not in ("fc1", "fc2", "dact", "dgrad"):
+        raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
+    if interpreting():
+        return NVGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1)
+    if kind == "fc1":
+        return NVGemmConfig(block_n=128, num_warps=8, num_stages=3)
+    if kind == "dact":
+        return NVGemmConfig(block_n=64, num_warps=8, num_stages=4)
+    return NVGemmConfig(block_n=64, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def nv_grouped_gemm_kernel(
+    a_src, stride_am, as_ptr, stride_asm, stride_ask, amax_a_ptr,
+    b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, amax_b_ptr, B_ROWS, b_up_rows,
+    c_ptr, stride_cm, c_up_offset,
+    h_ptr, stride_hm, h_up_offset,
+    bias_ptr, stride_bias_e, bias_up_offset,
+    probs_ptr, dprob_ptr, stride_dprob_part,
+    sched_ptr,
+    T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
+    MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
+    pid_m, pid_n = swizzle(tl.program_id(0), MAX_M_TILES, tl.cdiv(N, BN), GROUP_M)
+    if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
+        return
+    group, a_row, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
+    is_padding = group == NUM_GROUPS - 1
+    expert = tl.minimum(group, NUM_GROUPS - 2)
+    rows_in = tl.minimum(a_row + tl.arange(0, BM), T - 1).to(tl.int64)  # scale (and pointer) loads stay inside
+    cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
+    offs_k = tl.arange(0, BK // 2)
+    b_row = expert * B_ROWS + pid_n * BN
+    e64 = expert.to(tl.int64)
+    sa_ptrs = as_ptr + rows_in * stride_asm
+    sb_ptrs = bs_ptr + e64 * stride_bse + cols_in * stride_bsn
+    if not USE_TMA:
+        a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if GATED and MODE == 1:
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for kt in range(0, tl.where(is_padding, 0, K // BK)):
+        k0 = kt * (BK // 2)  # bytes
+        if USE_TMA:
+            a = a_src.load([a_row, k0])
+            b = b_src.load([b_row, k0])
+        else:
+            a = tl.load(a_ptrs + k0)
+            b = tl.load(b_ptrs + k0)
+        kb = kt * (BK // 16) + tl.arange(0, BK // 16)
+        a_x = e2m1_expand(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
+        b_x = e2m1_expand(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
+        acc = tl.dot(a_x, tl.trans(b_x), acc)
+        if GATED and MODE == 1:
+            if USE_TMA:
+                b_up = b_src.load([b_row + b_up_rows, k0])
+            else:
+                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+            sb_up = tl.load(sb_ptrs[:, None] + b_up_rows * stride_bsn + kb[None, :] * stride_bsk)
+            acc_up = tl.dot(a_x, tl.trans(e2m1_expand(b_up, sb_up, BN, BK, UPCAST)), acc_up)
+
+    # --- epilogue, FP32: the two tensor scales (padding tiles have no K loop and may hold any amax)
+    factor = (tl.load(amax_a_ptr + group) * DEQUANT_FACTOR) * (tl.load(amax_b_ptr + expert) * DEQUANT_FACTOR)
+    factor = tl.where(is_padding, 0.0, factor)
+    acc = acc * factor
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < N
+    rows = tl.arange(0, BM) + a_row
+    row_ok = rows < row_end
+    rows64 = rows.to(tl.int64)
+    bias_mask = col_ok & (group < NUM_GROUPS - 1)
+    if MODE == 0:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=bias_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(acc, c_ptr.dtype.element_ty, UPCAST),
+                 mask=row_ok[:, None] & col_ok[None, :])
+    elif MODE == 1:
+        if GATED:
+            fc1_epilogue(acc, acc_up * factor, rows64, row_ok, cols, col_ok, bias_mask,
+                         bias_ptr + expert * stride_bias_e, bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr,
+                         stride_cm, probs_ptr, is_padding, alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST)
+        else:
+            fc1_epilogue(acc, acc, rows64, row_ok, cols, col_ok, bias_mask, bias_ptr + expert * stride_bias_e,
+                         bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding,
+                         alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST)
+    else:
+        # acc = da, the gradient of act(h) * p; dh is written for padding rows too (as zeros: da = 0)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            p = tl.full((BM,), 1.0, tl.float32)
+        if SPLIT_EPILOGUE:
+            acc_lo, acc_hi = column_halves(acc, BM, BN // 2)
+            cols_lo = pid_n * BN + tl.arange(0, BN // 2)
+            part = dact_epilogue(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm, h_up_offset, c_ptr,
+                                 stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+            part += dact_epilogue(acc_hi, rows64, row_ok, cols_lo + BN // 2, N, p, h_ptr, stride_hm, h_up_offset,
+                                  c_ptr, stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+        else:
+            part = dact_epilogue(acc, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm,
+                                 c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+        if WRITE_DPROB:
+            tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
+
+
+def _operand_sources(a: torch.Tensor, b: torch.Tensor, block_n: int, use_tma: bool):
+    """TMA descriptors of the packed ``a`` [T, K/2] (boxes 128 x 64 bytes) and of ``b`` [E, rows, K/2]
+    seen as ``[E * rows, K/2]`` (boxes ``block_n`` x 64), or the tensors themselves."""
+    if not use_tma:
+        return a, b
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_rows, k_bytes = a.shape
+    return (TensorDescriptor(a, [num_rows, k_bytes], [a.stride(0), 1], [TILE, BLOCK_K // 2]),
+            TensorDescriptor(b, [b.shape[0] * b.shape[1], k_bytes], [k_bytes, 1], [block_n, BLOCK_K // 2]))
+
+
+def _or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
+    return (dummy, 0) if t is None else (t, t.stride(0))
+
+
+def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *, c: torch.Tensor,
+           c_up_offset: int = 0, h: Optional[torch.Tensor] = None, h_up_offset: int = 0, b_transposed: bool = False,
+           b_up_rows: int = 0, bias: Optional[torch.Tensor] = None, bias_up_offset: int = 0,
+           probs: Optional[torch.Tensor] = None, dprob: Optional[torch.Tensor] = None, activation: str = "swiglu",
+           alpha: float = 1.702, limit: float = 7.0, gated: bool = False, config: Optional[NVGemmConfig] = None):
+    """One NVFP4 grouped GEMM. ``a``: a rowwise ``quantize.NVRows`` ([T, K]); ``b``: a
+    ``quantize.NVWeight`` read as ``[E, n_rows, K]`` (``b_transposed``: its ``data_t`` / ``scale_t``
+    copy); ``n`` output columns (the gate half for gated FC1/DACT). ``c``: the output (``y`` / ``dx``
+    in PLAIN mode, FP32 ``a`` for FC1, FP32 ``dh`` for DACT, its up half at ``c_up_offset``).
+    ``dprob``: FP32 ``[n / block_n, T]`` partials."""
+    mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
+    cfg = config or default_config(kind)
+    a_data, a_scale = a.data, a.scale
+    b_data, b_scale = (b.data_t, b.scale_t) if b_transposed else (b.data, b.scale)
+    if a_data is None or b_data is None:
+        raise ValueError("a, b: the GEMM needs a's rowwise copy and b's copy along the reduction axis")
+    num_rows, k = a_data.shape[0], 2 * a_data.shape[1]
+    if k % BLOCK_K or n % TILE or b_data.shape[2] * 2 != k:
+        raise ValueError(f"NVFP4 GEMM: K={k} (b: {2 * b_data.shape[2]}) must match and be a multiple of {BLOCK_K}, "
+                         f"N={n} of {TILE}")
+    if n % cfg.block_n:
+        raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
+    m_tiles = max_m_tiles(num_rows, num_experts, TILE)
+    grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
+    use_tma = USE_TMA_DEFAULT and tma_allowed(a_data, b_data)
+    a_src, b_src = _operand_sources(a_data, b_data, cfg.block_n, use_tma)
+    dummy = a.amax
+    return nv_grouped_gemm_kernel[grid](
+        a_src, a_data.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1), a.amax,
+        b_src, b_data.stride(0), b_data.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        b.amax, b_data.shape[1], b_up_rows,
+        c, c.stride(0), c_up_offset,
+        *_or_dummy(h, dummy), h_up_offset,
+        *_or_dummy(bias, dummy), bias_up_offset,
+        probs if probs is not None else dummy, *_or_dummy(dprob, dummy),
+        schedule,
+        num_rows, n, k, float(alpha), float(limit), m_tiles, num_experts + 1,
+        MODE=mode, ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
+        WRITE_DPROB=dprob is not None, USE_TMA=use_tma, UPCAST=interpreting(),
+        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, BM=TILE, BN=cfg.block_n, BK=BLOCK_K,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

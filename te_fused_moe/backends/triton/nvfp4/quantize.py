@@ -1,0 +1,383 @@
+"""Triton quantize kernels of the NVFP4 recipe, and its per-step weight cache.
+
+Every NVFP4 tensor has one FP32 tensor scale from its amax. As TE's grouped GEMMs do (and the
+reference backend emulates), each expert's slice is its own tensor: amaxes are per *group* of the
+schedule (``[E + 1]``, the last one the padding rows'), computed by :func:`group_amax` before the
+quantize pass reads them — the one thing that keeps NVFP4 out of a single-pass GEMM epilogue.
+
+Layouts (what the NVFP4 GEMMs read; codes are packed two per byte along the GEMM's reduction axis,
+element ``2j`` in the low nibble; scales are uint8 E4M3 codes):
+
+- rowwise ``data [T, K/2]`` + ``scale [T, K/16]`` (stored 16-block-major, a ``[K/16, T]`` buffer
+  seen transposed, as MXFP8 does) + ``amax [E + 1]``: 1x16 blocks along K (fprop/dgrad operands).
+- columnwise ``data_t [K, 64 * max_m_tiles]`` (tokens packed: schedule tile ``t`` owns the 64 bytes
+  ``[64 t, 64 t + 64)``, zeros past the expert's rows) + ``scale_t [8 * max_m_tiles, K]`` +
+  ``amax_t [E + 1]``: 16-token blocks restarting at each expert (wgrad operands). With RHT the
+  values are Hadamard-transformed along the tokens first (``quantize/hadamard.py``) and ``amax_t``
+  is the transformed slice's amax.
+- weights ``data [E, N, K/2]`` + ``scale [E, N, K/16]`` (fprop, along K) and ``data_t [E, K, N/2]``
+  + ``scale_t [E, K, N/16]`` (dgrad, along N) + ``amax [E]``. With 16x16 tiles (the recipe's default)
+  the transposed copy holds the same codes and scales transposed; every row of a tile repeats the
+  tile's scale, so the GEMMs read one layout for both block shapes.
+
+Gradients may be rounded stochastically: 8 bits per element from Philox (``tl.randint``) keyed by
+a seed drawn on the device (graph-safe), or from given ``random_bits`` (tests: bit-exact against
+``quantize.nvfp4`` with the same bits).
+
+H and F (every K and N) must be multiples of 128.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ....quantize import hadamard
+from ..fp8_block.codec import nan_free_abs
+from ..fp8_block.quantize import WeightCache
+from ..grouped_gemm import interpreting
+from ..schedule import build_schedule, max_m_tiles, tile_rows, total_tiles
+from .codec import block_scale, e2m1_encode, e2m1_encode_stochastic, pack_pairs, tensor_scales
+
+NV = 16  # elements per scale block
+TILE = 128  # schedule M tile
+QUANT_COLS = 64  # columns per quantize program
+# TE's wgrad RHT sign vector as a bit mask (bit i set: sign i is negative)
+RHT_NEG_MASK = sum(1 << i for i, s in enumerate(hadamard.WGRAD_SIGNS) if s < 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVSpec:
+    """How one role's tensors are quantized: ``stochastic`` rounding (gradients), ``rht`` on the
+    wgrad (columnwise) copies, ``block_2d`` 16x16 tiles (weights)."""
+
+    stochastic: bool = False
+    rht: bool = True
+    block_2d: bool = False
+
+
+@dataclasses.dataclass
+class NVRows:
+    """An activation or gradient quantized for the expert GEMMs (layouts in the module doc)."""
+
+    data: Optional[torch.Tensor] = None  # [T, K/2] uint8
+    scale: Optional[torch.Tensor] = None  # [T, K/16] uint8 E4M3
+    amax: Optional[torch.Tensor] = None  # [E + 1] float32
+    data_t: Optional[torch.Tensor] = None  # [K, 64 * max_m_tiles] uint8
+    scale_t: Optional[torch.Tensor] = None  # [8 * max_m_tiles, K] uint8 E4M3
+    amax_t: Optional[torch.Tensor] = None  # [E + 1] float32 (of the transformed values with RHT)
+
+
+@dataclasses.dataclass
+class NVWeight:
+    """``w [E, N, K]`` quantized for both GEMM directions."""
+
+    data: torch.Tensor  # [E, N, K/2] uint8
+    scale: torch.Tensor  # [E, N, K/16] uint8
+    data_t: Optional[torch.Tensor]  # [E, K, N/2] uint8
+    scale_t: Optional[torch.Tensor]  # [E, K, N/16] uint8
+    amax: torch.Tensor  # [E] float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.data_t, self.scale, self.scale_t, self.amax)
+                   if t is not None)
+
+
+# ----------------------------------------------------------------------------- device functions
+
+@triton.jit
+def rht_along_rows(v, BM: tl.constexpr, BK: tl.constexpr, NEG_MASK: tl.constexpr):
+    """Each run of 16 rows of FP32 ``v`` [BM, BK] times TE's RHT matrix ``M = diag(s) H16 / 4``
+    (``out[16 g + j] = sum_i M[i, j] v[16 g + i]``), in FP32 (IEEE products, FP32 sums)."""
+    i = tl.arange(0, 16)[None, :]
+    j = tl.arange(0, 16)[:, None]
+    x = i & j
+    parity = (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3)) & 1
+    m_t = tl.where((parity ^ ((NEG_MASK >> i) & 1)) == 1, -0.25, 0.25)  # [j, i] = M[i, j]
+    lhs = tl.broadcast_to(m_t[None, :, :], (BM // 16, 16, 16))
+    out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="ieee")
+    return tl.reshape(out, (BM, BK))
+
+
+@triton.jit
+def random_bytes(seed, offsets):
+    """8 Philox bits per element (int32 in [0, 256))."""
+    return (tl.randint(seed, offsets) & 0xFF).to(tl.int32)
+
+
+@triton.jit
+def encode_values(scaled, bits, STOCHASTIC: tl.constexpr):
+    if STOCHASTIC:
+        return e2m1_encode_stochastic(scaled, bits)
+    else:
+        return e2m1_encode(scaled)
+
+
+@triton.jit
+def quantize_along_cols(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexpr, STOCHASTIC: tl.constexpr,
+                        BLOCK_2D: tl.constexpr):
+    """1x16 blocks of FP32 ``v`` [BM, BK] along its columns (``BLOCK_2D``: 16x16 tiles, every row of
+    a tile sharing its scale): (codes [BM, BK] uint8, scale codes [BM, BK/16] uint8)."""
+    blocks = tl.reshape(v, (BM, BK // 16, 16))
+    block_amax = tl.max(nan_free_abs(blocks), axis=2)
+    if BLOCK_2D:
+        tile_amax = tl.max(tl.reshape(block_amax, (BM // 16, 16, BK // 16)), axis=1)
+        block_amax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], (BM // 16, 16, BK // 16)), (BM, BK // 16))
+    code, r = block_scale(block_amax, s_enc, s_dec)
+    scaled = tl.reshape(blocks * r[:, :, None], (BM, BK))
+    return encode_values(scaled, bits, STOCHASTIC), code
+
+
+@triton.jit
+def quantize_along_rows(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """16x1 blocks of FP32 ``v`` [BM, BK] along its rows: (codes [BM, BK] uint8, scale codes [BM/16, BK])."""
+    blocks = tl.reshape(v, (BM // 16, 16, BK))
+    code, r = block_scale(tl.max(nan_free_abs(blocks), axis=1), s_enc, s_dec)
+    scaled = tl.reshape(blocks * r[:, None, :], (BM, BK))
+    return encode_values(scaled, bits, STOCHASTIC), code
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def group_amax_kernel(
+    x_ptr, stride_xm, amax_ptr, amax_t_ptr, sched_ptr, K, NUM_GROUPS,
+    RHT_AMAX: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    """Per (schedule tile, ``BK`` columns): the tile's NaN-ignoring max |x| into its group's ``amax``
+    and, with ``RHT_AMAX``, that of its Hadamard transform along the tokens into ``amax_t``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
+        return
+    group, row0, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    mask = (rows < row_end)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr + group, tl.max(tl.max(nan_free_abs(x), axis=1), axis=0))
+    if RHT_AMAX:
+        t = rht_along_rows(x, BM, BK, NEG_MASK)
+        tl.atomic_max(amax_t_ptr + group, tl.max(tl.max(nan_free_abs(t), axis=1), axis=0))
+
+
+@triton.jit
+def quantize_tiles_kernel(
+    x_ptr, stride_xm,
+    q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, amax_ptr,
+    qt_ptr, stride_qtk, qts_ptr, stride_qtsb, amax_t_ptr,
+    colsum_ptr, stride_cst,
+    seed_ptr, bits_ptr, stride_bits, bits_t_ptr, stride_bits_t,
+    sched_ptr, K, NUM_GROUPS,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr, RHT: tl.constexpr,
+    STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    """One program per (schedule M tile, ``BK`` columns): 1x16 rowwise blocks and, with ``COLWISE``,
+    16-token blocks inside the tile (Hadamard-transformed with ``RHT``), each with its group's tensor
+    scale; with ``COLSUM`` the tile's FP32 column sums (bias gradients)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
+        return
+    group, row0, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    row_ok = rows < row_end
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if COLSUM:
+        tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0))
+    slot = pid_m * BM + tl.arange(0, BM)  # the tile's own columns of the columnwise copy
+    if ROWWISE:
+        bits = tl.zeros((BM, BK), tl.int32)
+        if STOCHASTIC:
+            if GIVEN_BITS:
+                bits = tl.load(bits_ptr + rows64[:, None] * stride_bits + cols[None, :], mask=mask, other=0).to(tl.int32)
+            else:
+                bits = random_bytes(tl.load(seed_ptr), (rows[:, None] * K + cols[None, :]).to(tl.uint32))
+        s_enc, s_dec = tensor_scales(tl.load(amax_ptr + group))
+        codes, sc = quantize_along_cols(x, s_enc, s_dec, bits, BM, BK, STOCHASTIC, False)
+        packed_cols = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + packed_cols[None, :], pack_pairs(codes, BM, BK),
+                 mask=row_ok[:, None])
+        kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+        tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
+    if COLWISE:
+        if RHT:
+            x = rht_along_rows(x, BM, BK, NEG_MASK)  # rows past the group's end are zeros: so is their padding
+        bits_t = tl.zeros((BM, BK), tl.int32)
+        if STOCHASTIC:
+            if GIVEN_BITS:
+                bits_t = tl.load(bits_t_ptr + slot.to(tl.int64)[:, None] * stride_bits_t + cols[None, :]).to(tl.int32)
+            else:
+                bits_t = random_bytes(tl.load(seed_ptr + 1), (slot[:, None] * K + cols[None, :]).to(tl.uint32))
+        s_enc_t, s_dec_t = tensor_scales(tl.load(amax_t_ptr + group))
+        codes_t, sc_t = quantize_along_rows(x, s_enc_t, s_dec_t, bits_t, BM, BK, STOCHASTIC)
+        packed_slot = pid_m * (BM // 2) + tl.arange(0, BM // 2)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + packed_slot[None, :],
+                 pack_pairs(tl.trans(codes_t), BK, BM))
+        tb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_t)
+
+
+@triton.jit
+def quantize_weight_kernel(
+    w_ptr, stride_we, stride_wn, amax_ptr,
+    q_ptr, s_ptr, stride_se, stride_sk,
+    qt_ptr, st_ptr, stride_ste, stride_stn,
+    N, K,
+    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, BLK: tl.constexpr,
+):
+    """One BLK x BLK tile of ``w[e]`` [N, K] with ``w[e]``'s tensor scale: ``q[e]`` [N, K/2] (1x16
+    along K, or 16x16 tiles; scales at ``s[e, k // 16, n]``) and ``qt[e]`` [K, N/2] (along N; with
+    16x16 tiles the same codes transposed; scales at ``st[e, n // 16, k]``)."""
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLK + tl.arange(0, BLK)
+    cols = pid_k * BLK + tl.arange(0, BLK)
+    w = tl.load(w_ptr + e.to(tl.int64) * stride_we + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
+    s_enc, s_dec = tensor_scales(tl.load(amax_ptr + e))
+    no_bits = tl.zeros((BLK, BLK), tl.int32)
+    out = e.to(tl.int64) * N * (K // 2)
+    codes, sc = quantize_along_cols(w, s_enc, s_dec, no_bits, BLK, BLK, False, BLOCK_2D)
+    tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
+             pack_pairs(codes, BLK, BLK))
+    kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
+    tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
+    if TRANSPOSED:
+        if BLOCK_2D:  # the tile's codes and scales, transposed
+            codes_t = codes
+            tile_scale = tl.max(tl.reshape(sc, (BLK // 16, 16, BLK // 16)), axis=1)  # [n tile, k tile]
+            sc_t = tl.reshape(tl.broadcast_to(tile_scale[:, :, None], (BLK // 16, BLK // 16, 16)),
+                              (BLK // 16, BLK))  # [n tile, k]: each k of a tile repeats its scale
+        else:
+            codes_t, sc_t = quantize_along_rows(w, s_enc, s_dec, no_bits, BLK, BLK, False)
+        tl.store(qt_ptr + out + cols[:, None] * (N // 2) + (pid_n * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
+                 pack_pairs(tl.trans(codes_t), BLK, BLK))
+        nb = pid_n * (BLK // 16) + tl.arange(0, BLK // 16)
+        tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
+
+
+# ----------------------------------------------------------------------------- host side
+
+def new_row_scales(num_rows: int, k: int, like: torch.Tensor, alloc=torch.empty) -> torch.Tensor:
+    """``[T, K/16]`` uint8 row scales, stored 16-block-major (strides ``(1, T)``)."""
+    return alloc((k // NV, num_rows), device=like.device, dtype=torch.uint8).t()
+
+
+def new_rows(num_rows: int, width: int, like: torch.Tensor, num_experts: int, rowwise: bool, colwise: bool,
+             alloc=torch.empty) -> NVRows:
+    """Buffers of a quantized activation or gradient (the copies asked for); amaxes start at zero."""
+    q = NVRows()
+    slots = TILE * max_m_tiles(num_rows, num_experts, TILE)
+    if rowwise:
+        q.data = alloc((num_rows, width // 2), device=like.device, dtype=torch.uint8)
+        q.scale = new_row_scales(num_rows, width, like, alloc)
+        q.amax = torch.zeros(num_experts + 1, device=like.device, dtype=torch.float32)
+    if colwise:
+        q.data_t = alloc((width, slots // 2), device=like.device, dtype=torch.uint8)
+        q.scale_t = alloc((slots // NV, width), device=like.device, dtype=torch.uint8)
+        q.amax_t = torch.zeros(num_experts + 1, device=like.device, dtype=torch.float32)
+    return q
+
+
+def new_seed(device: torch.device) -> torch.Tensor:
+    """Two Philox keys (rowwise, columnwise) drawn on the device from PyTorch's generator: no host
+    read, and inside a CUDA graph each replay draws new ones."""
+    return torch.randint(0, 2**31 - 1, (2,), device=device, dtype=torch.int64).to(torch.int32)
+
+
+def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: NVSpec, *, rowwise: bool = True,
+                  colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None,
+                  out: Optional[NVRows] = None, random_bits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                  ) -> NVRows:
+    """NVFP4-quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
+    rowwise (1x16 along K) and/or columnwise (16 tokens per block restarting at each expert, RHT per
+    ``spec``), each expert with its own tensor scales. ``col_sums`` (FP32 ``[max_m_tiles, K]``)
+    receives each tile's column sums of ``x``; ``out``: buffers from :func:`new_rows` to fill;
+    ``random_bits`` (tests, stochastic specs): uint8 ``[T, K]`` for the rowwise copy and
+    ``[128 * max_m_tiles, K]`` (by slot) for the columnwise one."""
+    num_rows, k = x.shape
+    if x.stride(1) != 1:
+        raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
+    if k % TILE:
+        raise ValueError(f"x: the NVFP4 quantize kernels need a width that is a multiple of {TILE}, got {k}")
+    if random_bits is not None and not spec.stochastic:
+        raise ValueError("random_bits: only used with a stochastic-rounding spec")
+    q = out if out is not None else new_rows(num_rows, k, x, num_experts, rowwise, colwise, alloc)
+    rowwise, colwise = q.data is not None, q.data_t is not None
+    if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
+        return q
+    m_tiles = max_m_tiles(num_rows, num_experts, TILE)
+    grid = (m_tiles, k // QUANT_COLS)
+    warps = 4 if interpreting() else 8
+    amax = q.amax if rowwise else torch.zeros(num_experts + 1, device=x.device, dtype=torch.float32)
+    if colwise and not spec.rht:
+        q.amax_t = amax  # the same values quantized along the other axis: the same tensor amax
+    rht_amax = colwise and spec.rht
+    group_amax_kernel[grid](x, x.stride(0), amax, q.amax_t if rht_amax else amax, schedule, k, num_experts + 1,
+                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps)
+    dummy = x.view(torch.uint8) if x.is_contiguous() else amax
+    given = random_bits is not None
+    seed = new_seed(x.device) if spec.stochastic and not given else amax
+    bits, bits_t = random_bits if given else (dummy, dummy)
+    quantize_tiles_kernel[grid](
+        x, x.stride(0),
+        q.data if rowwise else dummy, q.data.stride(0) if rowwise else 0,
+        q.scale if rowwise else dummy, q.scale.stride(0) if rowwise else 0, q.scale.stride(1) if rowwise else 0, amax,
+        q.data_t if colwise else dummy, q.data_t.stride(0) if colwise else 0,
+        q.scale_t if colwise else dummy, q.scale_t.stride(0) if colwise else 0, q.amax_t if colwise else amax,
+        col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
+        seed, bits, bits.stride(0) if given else 0, bits_t, bits_t.stride(0) if given else 0,
+        schedule, k, num_experts + 1,
+        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, RHT=spec.rht, STOCHASTIC=spec.stochastic,
+        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps,
+    )
+    return q
+
+
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """``[E]`` NaN-ignoring max |w[e]| (the amax pass over ``w`` seen as E groups of N rows)."""
+    e, n, k = w.shape
+    rows = w.reshape(e * n, k)
+    schedule = build_schedule(torch.full((e,), n, device=w.device, dtype=torch.int32), e * n, TILE)
+    amax = torch.zeros(e + 1, device=w.device, dtype=torch.float32)
+    group_amax_kernel[(max_m_tiles(e * n, e, TILE), k // QUANT_COLS)](
+        rows, rows.stride(0), amax, amax, schedule, k, e + 1,
+        RHT_AMAX=False, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=4 if interpreting() else 8)
+    return amax[:e]
+
+
+def quantize_weight(w: torch.Tensor, spec: NVSpec, *, transposed: bool = True, alloc=torch.empty) -> NVWeight:
+    """NVFP4-quantize each ``w[e]`` ([E, N, K], its own tensor scale) along K and (``transposed``) along N."""
+    if w.dim() != 3 or not w.is_contiguous():
+        raise ValueError(f"w: expected a contiguous [E, N, K] tensor, got shape {tuple(w.shape)} strides {w.stride()}")
+    e, n, k = w.shape
+    if n % TILE or k % TILE:
+        raise ValueError(f"w: the NVFP4 weight quantizer needs both sizes to be multiples of {TILE}, got {tuple(w.shape)}")
+    data = alloc((e, n, k // 2), device=w.device, dtype=torch.uint8)
+    scale = alloc((e, k // NV, n), device=w.device, dtype=torch.uint8).transpose(1, 2)
+    data_t = alloc((e, k, n // 2), device=w.device, dtype=torch.uint8) if transposed else None
+    scale_t = alloc((e, n // NV, k), device=w.device, dtype=torch.uint8).transpose(1, 2) if transposed else None
+    amax = weight_amax(w) if w.numel() else torch.zeros(e, device=w.device, dtype=torch.float32)
+    if w.numel():
+        quantize_weight_kernel[(e, n // TILE, k // TILE)](
+            w, w.stride(0), w.stride(1), amax,
+            data, scale, scale.stride(0), scale.stride(2),
+            data_t if transposed else data, scale_t if transposed else scale,
+            scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0,
+            n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, BLK=TILE,
+            num_warps=4 if interpreting() else 8,
+        )
+    return NVWeight(data, scale, data_t, scale_t, amax)
+
+
+# fp8_block's per-optimizer-step cache (same invalidation rules) holding NVFP4 copies
+WEIGHT_CACHE = WeightCache(quantize_fn=quantize_weight)

@@ -1,0 +1,559 @@
+"""The NVFP4 recipe (NVFP4BlockScaling) on the Triton backend, on CPU through Triton's interpreter.
+
+The checks are device-agnostic functions (``check_*``) that tests/gpu/test_triton_nvfp4_gpu.py runs
+again on the GPU. Under the interpreter they run in one fresh subprocess (``_worker``) and report
+numbers that the tests assert on.
+
+What is checked, and the bounds:
+
+1. Device functions (``nvfp4/codec.py``): the E2M1 nearest-even and stochastic encodings bit-exact
+   vs ``formats.encode`` / ``formats.stochastic_round_e2m1`` on the grid's midpoints, signed zeros,
+   NaN/Inf, FP32 subnormals and random FP32 values; the E4M3 scale decode on all 127 finite codes;
+   the BF16 expansion of packed codes times scales vs ``nvfp4.unpack_e2m1`` x ``formats.decode``.
+2. Quantize kernels: packed codes and E4M3 scales bit-exact vs ``te_fused_moe.quantize.nvfp4``
+   per expert (each expert its own tensor scale): rowwise 1x16; columnwise 16-token blocks
+   restarting at each expert, with RHT (on integer-valued data, where the FP32 transform is exact,
+   as the reference's FP64 one) and without (random data with NaN/Inf/zero rows); stochastic
+   rounding with given bits; weights in 16x16 tiles and in 1x16 blocks, both copies.
+3. Stochastic rounding from Philox: two draws differ, and the mean of 64 draws is closer to the
+   input than one draw by at least 4x (unbiased: the error of the mean falls as 1/sqrt(draws)).
+4. The whole MLP forward + backward vs the reference backend's emulation of the same recipe with
+   stochastic rounding off (the draws cannot match): token counts that are multiples of 16 (what
+   TE requires for RHT, and what Megatron's padding for quantized recipes gives): norm-relative
+   <= 1e-3 with ``h`` saved in FP32. Other counts: the reference crops the zero-padded tail of an
+   expert's transformed slice after its inverse RHT, the kernels multiply the transformed blocks
+   (TE's definition), so the wgrads differ by ~2e-3: bound 1e-2. With ``h`` in BF16 (the default),
+   ``dh`` sees ``h`` rounded and a code next to an E2M1 midpoint moves a whole step: 6e-2. Stochastic
+   rounding on: ``y`` (forward: no stochastic rounding) <= 5e-3, gradients within the rounding's
+   own noise (<= 0.5, ~0.25 seen). Buffers are NaN-poisoned before the kernels write them.
+5. Dispatch, validation and the benchmark's unfused baseline (the same recipe).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from moe_reference import run_in_triton_interpreter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ != "__main__":
+    pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
+
+TIGHT, RAGGED_RHT, LOOSE, SR_NOISE = 5e-3, 1e-2, 6e-2, 0.5
+
+# (id, T, H, F, E, activation, bias, probs, counts or routing, padding, h_fp32, tma, frozen, recipe options)
+MLP_CASES = [
+    ("swiglu-x16-empty", 300, 256, 128, 3, "swiglu", True, True, [96, 0, 160], 44, True, True, (), {}),
+    ("gptoss-x16-ptr", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, [16, 64, 32, 112], 36, True, False, (), {}),
+    ("srelu-ragged-1d-nornt", 200, 128, 128, 3, "srelu", False, True, "zipf", 7, True, True, (),
+     dict(disable_rht=True, disable_2d_quantization=True)),
+    ("geglu-ragged-rht", 150, 128, 128, 2, "geglu", True, False, "balanced", 9, True, True, (), {}),
+    ("swiglu-hbf16", 300, 256, 128, 3, "swiglu", True, True, [128, 48, 80], 44, False, True, (), {}),
+    ("gelu-frozen-x", 170, 128, 128, 3, "gelu", True, True, [64, 0, 96], 10, True, True, ("x", "probs"), {}),
+    ("silu-allpad", 64, 128, 128, 3, "silu", True, True, [0, 0, 0], 64, True, True, (), {}),
+    ("swiglu-T0", 0, 128, 128, 2, "swiglu", True, True, [0, 0], 0, True, True, (), {}),
+]
+SR_CASE = ("swiglu-sr", 300, 256, 128, 3, "swiglu", True, True, [96, 32, 128], 44, True, True, (),
+           dict(disable_stochastic_rounding=False))
+
+
+# --- 1. device functions ------------------------------------------------------------------------------
+
+_KERNELS = {}
+e2m1_encode = e2m1_encode_stochastic = e4m3_to_float = e2m1_expand = None  # bound by _codec_kernels()
+
+
+def _codec_kernels():
+    if "codec" not in _KERNELS:
+        import triton
+        import triton.language as tl
+
+        from te_fused_moe.backends.triton.nvfp4 import codec
+
+        globals().update(e2m1_encode=codec.e2m1_encode, e2m1_encode_stochastic=codec.e2m1_encode_stochastic,
+                         e4m3_to_float=codec.e4m3_to_float, e2m1_expand=codec.e2m1_expand)
+
+        @triton.jit
+        def encode_kernel(v_ptr, bits_ptr, rne_ptr, sr_ptr, code_ptr, dec_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < n
+            v = tl.load(v_ptr + offs, mask=ok, other=0.0)
+            tl.store(rne_ptr + offs, e2m1_encode(v), mask=ok)
+            tl.store(sr_ptr + offs, e2m1_encode_stochastic(v, tl.load(bits_ptr + offs, mask=ok, other=0).to(tl.int32)),
+                     mask=ok)
+            tl.store(dec_ptr + offs, e4m3_to_float(tl.load(code_ptr + offs, mask=ok, other=0)), mask=ok)
+
+        @triton.jit
+        def expand_kernel(p_ptr, s_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+            r = tl.arange(0, ROWS)[:, None]
+            packed = tl.load(p_ptr + r * (COLS // 2) + tl.arange(0, COLS // 2)[None, :])
+            scales = tl.load(s_ptr + r * (COLS // 16) + tl.arange(0, COLS // 16)[None, :])
+            out = e2m1_expand(packed, scales, ROWS, COLS, UPCAST).to(tl.float32)
+            tl.store(out_ptr + r * COLS + tl.arange(0, COLS)[None, :], out)
+
+        _KERNELS["codec"] = (encode_kernel, expand_kernel)
+    return _KERNELS["codec"]
+
+
+def _e2m1_edge_values() -> torch.Tensor:
+    """Grid points, midpoints and one ulp either side, signed; zeros, subnormals, NaN, Inf, huge."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 100.0])
+    bits = grid.view(torch.int32)
+    near = torch.cat([grid, (bits + 1).view(torch.float32), (bits[1:] - 1).view(torch.float32)])
+    special = torch.tensor([1e-40, 1e-30, float("inf"), float("nan"), 3.4e38])
+    v = torch.cat([near, special])
+    return torch.cat([v, -v])
+
+
+def check_codec(device: str, n_random: int = 50000) -> dict:
+    """Mismatch counts of the device functions vs the reference formats."""
+    from te_fused_moe.backends.triton.grouped_gemm import interpreting
+    from te_fused_moe.quantize import formats, nvfp4
+
+    encode_kernel, expand_kernel = _codec_kernels()
+    g = torch.Generator().manual_seed(0)
+    random = (torch.randn(n_random, generator=g) * torch.exp2(torch.randint(-6, 6, (n_random,), generator=g).float()))
+    v = torch.cat([_e2m1_edge_values(), random]).float()
+    bits = torch.randint(0, 256, v.shape, generator=g, dtype=torch.uint8)
+    codes = torch.arange(v.numel(), dtype=torch.int64).remainder(127).to(torch.uint8)  # every finite E4M3 code
+    rne, sr = torch.empty(v.shape, dtype=torch.uint8, device=device), torch.empty(v.shape, dtype=torch.uint8,
+                                                                                   device=device)
+    dec = torch.empty(v.shape, dtype=torch.float32, device=device)
+    n = v.numel()
+    encode_kernel[((n + 1023) // 1024,)](v.to(device), bits.to(device), rne, sr, codes.to(device), dec, n,
+                                         BLOCK=1024)
+    out = {"n": n,
+           "rne": int((rne.cpu() != formats.encode(v, formats.E2M1)).sum()),
+           "stochastic": int((sr.cpu() != formats.stochastic_round_e2m1(v, bits)).sum()),
+           "e4m3_decode": int((dec.cpu() != formats.decode(codes, formats.E4M3)).sum())}
+    rows, cols = 64, 128
+    packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 127, (rows, cols // 16), generator=g, dtype=torch.uint8)
+    expanded = torch.empty(rows, cols, dtype=torch.float32, device=device)
+    expand_kernel[(1,)](packed.to(device), scales.to(device), expanded, ROWS=rows, COLS=cols, UPCAST=interpreting())
+    values = formats.decode(nvfp4.unpack_e2m1(packed, 1, cols), formats.E2M1)
+    truth = values * formats.decode(scales, formats.E4M3).repeat_interleave(16, dim=1)
+    out["expand"] = int((expanded.cpu() != truth).sum())
+    return out
+
+
+# --- 2. quantize kernels --------------------------------------------------------------------------
+
+def _expert_slices(counts):
+    """(expert, first row, rows, first schedule tile) of each non-empty expert (tiles of 128 rows)."""
+    start = tile = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, start, n, tile
+        start += n
+        tile += -(-n // 128)
+
+
+def _rows_mismatches(q, x, counts, spec, bits=None) -> dict:
+    """Mismatches of quantize_rows' output ``q`` against the reference quantizer, expert by expert."""
+    from te_fused_moe.quantize import hadamard, nvfp4
+
+    bad = {"data": 0, "scale": 0, "amax": 0, "data_t": 0, "scale_t": 0, "amax_t": 0}
+    for e, r0, n, tile in _expert_slices(counts):
+        xe = x[r0: r0 + n].float().cpu()
+        row_bits = bits[0][r0: r0 + n] if bits is not None else None
+        ref = nvfp4.quantize(xe, axis=1, stochastic_rounding=spec.stochastic, random_bits=row_bits)
+        if q.data is not None:
+            bad["data"] += int((q.data[r0: r0 + n].cpu() != ref.data).sum())
+            bad["scale"] += int((q.scale[r0: r0 + n].cpu() != ref.scale.view(torch.uint8)).sum())
+            bad["amax"] += int(q.amax[e].cpu() != ref.global_amax)
+        if q.data_t is None:
+            continue
+        t = hadamard.apply_rht(xe, 0) if spec.rht else xe
+        slots = t.shape[0] if spec.rht else -(-n // 16) * 16
+        col_bits = bits[1][128 * tile: 128 * tile + t.shape[0]] if bits is not None else None
+        ref_t = nvfp4.quantize(t, axis=0, stochastic_rounding=spec.stochastic, random_bits=col_bits)
+        got = q.data_t[:, 64 * tile: 64 * tile + slots // 2].cpu()
+        want = torch.nn.functional.pad(ref_t.data.t(), (0, slots // 2 - ref_t.data.shape[0]))
+        bad["data_t"] += int((got != want).sum())
+        got_s = q.scale_t[8 * tile: 8 * tile + -(-t.shape[0] // 16)].cpu()
+        bad["scale_t"] += int((got_s != ref_t.scale.view(torch.uint8)).sum())
+        bad["amax_t"] += int(q.amax_t[e].cpu() != ref_t.global_amax)
+    return bad
+
+
+def check_quantize_kernels(device: str) -> dict:
+    """Per case, mismatch counts of every output of quantize_rows / quantize_weight."""
+    from te_fused_moe.backends.triton.nvfp4.quantize import TILE, NVSpec, quantize_rows, quantize_weight
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+    from te_fused_moe.quantize import nvfp4
+
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    counts = [100, 0, 170, 5]
+    T, K = 300, 128
+    sched = build_schedule(torch.tensor(counts, device=device), T, TILE)
+    # integer multiples of 1/4 spanning a few binades: the FP32 RHT is exact, as the reference's FP64 one
+    ints = (torch.randint(-12, 13, (T, K), generator=g).float() * 0.25) * torch.exp2(
+        torch.randint(0, 3, (T, 1), generator=g).float())
+    rand = torch.randn(T, K, generator=g)
+    rand[7] = float("nan")
+    rand[8, :5] = float("inf")
+    rand[9] = 0.0
+    rand[150, 3] = 1e-30
+    slots = TILE * max_m_tiles(T, len(counts), TILE)
+    for name, x, spec, stochastic_bits in (
+            ("rht_ints_bf16", ints.to(torch.bfloat16), NVSpec(rht=True), False),
+            ("rht_ints_fp32", ints, NVSpec(rht=True), False),
+            ("no_rht_random_nan_inf", rand, NVSpec(rht=False), False),
+            ("sr_rht_given_bits", ints, NVSpec(stochastic=True, rht=True), True),
+            ("sr_no_rht_given_bits", rand.to(torch.bfloat16), NVSpec(stochastic=True, rht=False), True)):
+        bits = (torch.randint(0, 256, (T, K), generator=g, dtype=torch.uint8),
+                torch.randint(0, 256, (slots, K), generator=g, dtype=torch.uint8)) if stochastic_bits else None
+        xd = x.to(device)
+        q = quantize_rows(xd, sched, len(counts), spec, rowwise=True, colwise=True,
+                          random_bits=tuple(b.to(device) for b in bits) if bits else None)
+        out[name] = _rows_mismatches(q, x, counts, spec, bits)
+    w = torch.randn(2, 256, 384, generator=g)
+    w[1, 17, 200] = 40.0  # one tile's outlier
+    for block_2d in (True, False):
+        wq = quantize_weight(w.to(device=device, dtype=torch.bfloat16), NVSpec(rht=False, block_2d=block_2d))
+        bad = {"data": 0, "scale": 0, "data_t": 0, "scale_t": 0, "amax": 0}
+        for e in range(2):
+            we = w[e].to(torch.bfloat16).float()
+            ref = nvfp4.quantize(we, axis=1, block_2d=block_2d)
+            ref_t = nvfp4.quantize(we, axis=0, block_2d=block_2d)
+            scale, scale_t = ref.scale.view(torch.uint8), ref_t.scale.view(torch.uint8)
+            if block_2d:  # the kernels' layout repeats a tile's scale on each of its 16 rows / columns
+                scale, scale_t = scale.repeat_interleave(16, 0), scale_t.repeat_interleave(16, 1)
+            bad["data"] += int((wq.data[e].cpu() != ref.data).sum())
+            bad["scale"] += int((wq.scale[e].cpu() != scale).sum())
+            bad["data_t"] += int((wq.data_t[e].cpu() != ref_t.data.t()).sum())
+            bad["scale_t"] += int((wq.scale_t[e].cpu() != scale_t.t()).sum())
+            bad["amax"] += int(wq.amax[e].cpu() != ref.global_amax)
+        out[f"weight_2d_{block_2d}"] = bad
+    return out
+
+
+def check_stochastic_rounding(device: str, draws: int = 64) -> dict:
+    """Philox draws (no given bits): two calls differ; the mean of ``draws`` dequantized draws vs one."""
+    from te_fused_moe.backends.triton.nvfp4.quantize import TILE, NVSpec, quantize_rows
+    from te_fused_moe.backends.triton.schedule import build_schedule
+    from te_fused_moe.quantize import formats, nvfp4
+
+    g = torch.Generator().manual_seed(2)
+    T, K = 128, 128
+    x = torch.randn(T, K, generator=g)
+    sched = build_schedule(torch.tensor([T], device=device), T, TILE)
+    spec = NVSpec(stochastic=True, rht=False)
+    total = torch.zeros(T, K, dtype=torch.float64)
+    first = second = None
+    for i in range(draws):
+        q = quantize_rows(x.to(device), sched, 1, spec, rowwise=True, colwise=False)
+        values = formats.decode(nvfp4.unpack_e2m1(q.data.cpu(), 1, K), formats.E2M1, torch.float64)
+        scale = formats.decode(q.scale.cpu().contiguous(), formats.E4M3, torch.float64).repeat_interleave(16, 1)
+        deq = values * scale * float(q.amax[0]) / 2688.0
+        total += deq
+        if i == 0:
+            first, first_codes = deq, q.data.cpu().clone()
+        elif i == 1:
+            second_codes = q.data.cpu()
+    err = lambda t: float((t - x.double()).norm() / x.double().norm())
+    return {"draws_differ": bool((first_codes != second_codes).any()), "one_draw_err": err(first),
+            "mean_err": err(total / draws)}
+
+
+def check_weight_cache(device: str) -> dict:
+    """Quantized once per optimizer step (fp8_block's cache rules) with NVFP4 copies."""
+    from te_fused_moe.backends.triton.fp8_block.quantize import WeightCache
+    from te_fused_moe.backends.triton.nvfp4.quantize import NVSpec, quantize_weight
+    from te_fused_moe.quantize import nvfp4
+
+    cache = WeightCache(quantize_fn=quantize_weight, follow_optimizer_steps=True)
+    spec = NVSpec(rht=False, block_2d=True)
+    w = torch.nn.Parameter(torch.randn(2, 256, 128, device=device, dtype=torch.bfloat16))
+    first = cache.get(w, spec)
+    same = all(cache.get(w, spec) is first for _ in range(3))
+    misses_before = cache.misses
+    with torch.no_grad():
+        w.mul_(3.0)
+    fresh = cache.get(w, spec)
+    ref = nvfp4.quantize(w[1].detach().float().cpu(), axis=1, block_2d=True)
+    out = dict(same_object=same, misses_before=misses_before, misses_after=cache.misses, refreshed=fresh is not first,
+               fresh_bad=int((fresh.data[1].cpu() != ref.data).sum()), nbytes=cache.nbytes,
+               expected_nbytes=w.numel() + 2 * w.numel() // 16 + 4 * 2)
+    other = torch.nn.Parameter(torch.ones(1, device=device))
+    opt = torch.optim.SGD([other], lr=0.1)
+    other.grad = torch.ones_like(other)
+    w.data.copy_(w.data * 2)
+    out["stale_without_step"] = cache.get(w, spec) is fresh
+    opt.step()
+    out["refreshed_after_step"] = cache.get(w, spec) is not fresh
+    cache._hook.remove()
+    return out
+
+
+# --- 4. the whole MLP ---------------------------------------------------------------------------------
+
+def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) -> dict:
+    from block_scaled_checks import compare_with_reference
+    from moe_reference import poison_, random_problem
+
+    from te_fused_moe.backends.triton.nvfp4 import gemm
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    _, T, H, F, E, act, bias, probs, counts, padding, h_fp32, tma, frozen, options = case
+    routing = counts if isinstance(counts, str) else "balanced"
+    seed = int(torch.randint(1 << 20, (1,)))  # fresh data each run; reported with the result
+    p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
+                       routing=routing, padding=padding, seed=seed)
+    if not isinstance(counts, str):
+        p["tokens_per_expert"] = torch.tensor(counts, device=device)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=torch.bfloat16)
+    recipe = NVFP4BlockScaling(**{"disable_stochastic_rounding": True, **options})
+    alloc = (lambda *a, **k: poison_(torch.empty(*a, **k))) if poison else torch.empty
+    res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
+    res["seed"] = seed
+    return res
+
+
+def mlp_bound(case) -> float:
+    counts, h_fp32, options = case[8], case[10], case[13]
+    if not h_fp32:
+        return LOOSE
+    ragged = isinstance(counts, str) or any(c % 16 for c in counts)
+    return RAGGED_RHT if ragged and not options.get("disable_rht") else TIGHT
+
+
+# --- 5. dispatch, validation, the benchmark's baseline ---------------------------------------------------
+
+def check_dispatch(device: str) -> dict:
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends import select_backend
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    from moe_reference import random_problem
+
+    out = {}
+    recipe = NVFP4BlockScaling(disable_stochastic_rounding=True)
+    for label, H, F in (("hidden", 96, 128), ("ffn", 128, 160)):
+        p = random_problem(64, H, F, 2, dtype=torch.bfloat16, device=device, seed=3)
+        try:
+            fused_moe_mlp(p["x"], p["tokens_per_expert"], p["w1"], p["w2"], recipe=recipe, backend="triton")
+            out[f"refused_{label}"] = ""
+        except ValueError as exc:
+            out[f"refused_{label}"] = str(exc)
+    out["auto"] = select_backend("auto", torch.device(device), ActivationConfig("swiglu"), recipe, torch.bfloat16,
+                                 None).name
+    return out
+
+
+def check_bench_baseline(device: str) -> dict:
+    """The benchmark's ``nvfp4_unfused`` computes the same recipe as ``nvfp4_fused`` (stochastic
+    rounding on in both: gradients within its noise)."""
+    from moe_reference import random_problem, rel_err
+
+    from te_fused_moe import bench_recipes
+
+    p = random_problem(256, 256, 128, 2, dtype=torch.bfloat16, device=device, seed=2)
+    p["tokens_per_expert"] = torch.tensor([96, 160], device=device)
+    outs = {}
+    for name in ("nvfp4_unfused", "nvfp4_fused"):
+        x, w1, w2 = (p[k].clone().requires_grad_(True) for k in ("x", "w1", "w2"))
+        y = bench_recipes.IMPLEMENTATIONS[name](x, p["tokens_per_expert"], w1, w2, "swiglu")
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=y.dtype))
+        outs[name] = {"y": y, "x": x.grad, "w1": w1.grad, "w2": w2.grad}
+    return {k: rel_err(outs["nvfp4_unfused"][k], outs["nvfp4_fused"][k]) for k in outs["nvfp4_fused"]}
+
+
+# --- the interpreter run ------------------------------------------------------------------------------
+
+def sm90_build_report() -> dict:
+    """Offline sm_90a builds of every default NVFP4 kernel (tests/sm90_build.py)."""
+    from sm90_build import build_sm90 as build
+
+    from te_fused_moe.backends.triton.act_math import ACT_IDS
+    from te_fused_moe.backends.triton.nvfp4 import gemm, quantize as Q, wgrad as W
+
+    ptrs = dict(as_ptr="*u8", bs_ptr="*u8", amax_a_ptr="*fp32", amax_b_ptr="*fp32", c_ptr="*bf16", h_ptr="*bf16",
+                bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32", limit="fp32")
+    report = {}
+    for name, kind, gated, act in (("fc1_swiglu", "fc1", True, "swiglu"), ("fc1_srelu", "fc1", False, "srelu"),
+                                   ("fc2", "fc2", False, "swiglu"), ("dact_gptoss", "dact", True, "gpt_oss_swiglu"),
+                                   ("dgrad", "dgrad", False, "swiglu")):
+        cfg = gemm.default_config(kind)
+        mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
+        types = dict(ptrs, a_src=f"tensordesc<u8[128, {gemm.BLOCK_K // 2}]>",
+                     b_src=f"tensordesc<u8[{cfg.block_n}, {gemm.BLOCK_K // 2}]>")
+        if mode != gemm.MODE_PLAIN:
+            types["c_ptr"] = "*fp32"
+        consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
+                      WRITE_DPROB=mode == gemm.MODE_DACT, USE_TMA=True, UPCAST=False,
+                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, BM=128, BN=cfg.block_n,
+                      BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
+        report[name] = build(gemm.nv_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+    wc = W.default_config()
+    report["wgrad"] = build(W.nv_wgrad_kernel, dict(g_src=f"tensordesc<u8[{wc.block_n}, 64]>",
+                                                    x_src=f"tensordesc<u8[{wc.block_k}, 64]>", gs_ptr="*u8",
+                                                    xs_ptr="*u8", amax_g_ptr="*fp32", amax_x_ptr="*fp32",
+                                                    dw_ptr="*bf16", sched_ptr="*i32"),
+                            dict(USE_TMA=True, UPCAST=False, BN=wc.block_n, BK=wc.block_k, BT=128, GROUP_N=wc.group_n),
+                            wc.num_warps, wc.num_stages)
+    report["amax_rht"] = build(Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32",
+                                                         sched_ptr="*i32"),
+                               dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
+    for sr in (False, True):
+        report[f"quantize_rht_sr{int(sr)}"] = build(
+            Q.quantize_tiles_kernel, dict(x_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", amax_ptr="*fp32", qt_ptr="*u8",
+                                          qts_ptr="*u8", amax_t_ptr="*fp32", colsum_ptr="*fp32", seed_ptr="*i32",
+                                          bits_ptr="*u8", bits_t_ptr="*u8", sched_ptr="*i32"),
+            dict(ROWWISE=True, COLWISE=True, COLSUM=True, RHT=True, STOCHASTIC=sr, GIVEN_BITS=False,
+                 NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
+    report["quantize_weight_2d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
+                                                                        s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
+                                         dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128))
+    return report
+
+
+def _sm90_worker() -> None:
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1"
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    print("SM90" + json.dumps(sm90_build_report()))
+
+
+def _worker() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    results = {
+        "codec": check_codec("cpu"),
+        "quantize": check_quantize_kernels("cpu"),
+        "sr": check_stochastic_rounding("cpu", draws=32),
+        "cache": check_weight_cache("cpu"),
+        "dispatch": check_dispatch("cpu"),
+        "bench_baseline": check_bench_baseline("cpu"),
+        "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES + [SR_CASE]},
+    }
+    print("RESULTS" + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_in_triton_interpreter("import test_triton_nvfp4_interpreter as t; t._worker()", timeout=1500)
+
+
+def test_kernels_build_for_sm90a_without_k_loop_spills():
+    """Offline sm_90a build of every default NVFP4 kernel: the GEMMs run BF16 wgmma and none spills
+    inside its K loop (the expansion works on 16-bit halves; on 32-bit codes FC1, FC2, the dgrad and
+    the wgrad spilled 67-168 loads/stores per iteration). Only FC1's epilogue (two 128x128 FP32
+    accumulators, BN = 128) may spill, outside the loop."""
+    import subprocess
+
+    from sm90_build import have_tools, tools_dir
+
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", "import test_triton_nvfp4_interpreter as t; t._sm90_worker()"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SM90")]
+    assert proc.returncode == 0 and lines, proc.stderr[-5000:]
+    report = json.loads(lines[-1][4:])
+    for name, r in report.items():
+        if name.startswith(("fc", "dact", "dgrad", "wgrad")):
+            assert r["qgmma"] == 0 and r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
+        assert r["stack"] <= (512 if name.startswith("fc1") else 0), (name, r)
+
+
+def test_codec_is_bit_exact(results):
+    c = results["codec"]
+    assert c["n"] > 50000
+    assert c["rne"] == 0 and c["stochastic"] == 0 and c["e4m3_decode"] == 0 and c["expand"] == 0, c
+
+
+def test_quantize_kernels_are_bit_exact(results):
+    assert len(results["quantize"]) == 7
+    for key, bad in results["quantize"].items():
+        assert all(v == 0 for v in bad.values()), (key, bad)
+
+
+def test_stochastic_rounding_draws_are_unbiased(results):
+    s = results["sr"]
+    assert s["draws_differ"], s
+    assert s["mean_err"] < s["one_draw_err"] / 4, s
+
+
+def test_weight_cache_refreshes_once_per_step(results):
+    c = results["cache"]
+    assert c["same_object"] and c["misses_before"] == 1, c
+    assert c["refreshed"] and c["misses_after"] == 2 and c["fresh_bad"] == 0, c
+    assert c["nbytes"] == c["expected_nbytes"], c
+    assert c["stale_without_step"] and c["refreshed_after_step"], c
+
+
+@pytest.mark.parametrize("case", MLP_CASES, ids=[c[0] for c in MLP_CASES])
+def test_mlp_matches_reference_emulation(results, case):
+    res = results["mlp"][case[0]]
+    frozen, bias, probs = case[12], case[6], case[7]
+    expected = {"y", "x", "w1", "w2"} | ({"b1", "b2"} if bias else set()) | ({"probs"} if probs else set())
+    assert set(res["grads"]) == expected - set(frozen)
+    bound = mlp_bound(case)
+    for name, err in res["err"].items():
+        assert res["nan"][name] == 0, (case[0], name, res)
+        assert err <= bound, f"{case[0]} (seed {res['seed']}): {name} rel. error vs reference {err:.3g} > {bound}"
+    for name, bad in res["nonzero"].items():
+        assert bad == 0, (case[0], name, res["nonzero"])
+
+
+def test_mlp_with_stochastic_rounding(results):
+    res = results["mlp"][SR_CASE[0]]
+    assert res["err"]["y"] <= TIGHT, res["err"]  # no stochastic rounding in the forward pass
+    for name, err in res["err"].items():
+        assert res["nan"][name] == 0 and err <= SR_NOISE, (name, res)
+    assert max(res["err"][k] for k in ("x", "w1", "w2")) > 10 * TIGHT, res["err"]  # the rounding is on
+
+
+def test_dispatch_refuses_shapes_and_auto_picks_triton(results):
+    d = results["dispatch"]
+    assert "w1: backend='triton' with NVFP4BlockScaling needs the hidden size to be a multiple of 128, got 96" in \
+        d["refused_hidden"], d
+    assert "w2: backend='triton' with NVFP4BlockScaling needs the FFN size to be a multiple of 128, got 160" in \
+        d["refused_ffn"], d
+    assert d["auto"] == "triton", d  # the interpreter counts as available here, as the GPU does on the H200
+
+
+def test_bench_unfused_baseline_is_the_same_recipe(results):
+    errs = results["bench_baseline"]
+    assert set(errs) == {"y", "x", "w1", "w2"}
+    assert 0 < errs["y"] < 5e-2 and all(0 < e < SR_NOISE for e in errs.values()), errs
+
+
+def test_supports_every_nvfp4_option():
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.backends import get_backend
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    backend = get_backend("triton")
+    act = ActivationConfig("swiglu")
+    for options in ({}, dict(disable_rht=True), dict(disable_stochastic_rounding=True),
+                    dict(disable_2d_quantization=True)):
+        assert backend.supports(act, NVFP4BlockScaling(**options), torch.bfloat16), options
+    verdict = backend.supports(act, NVFP4BlockScaling(), torch.float32)
+    assert not verdict and "bfloat16 or float16" in verdict.reason, verdict
+
+
+def test_kernel_arguments_are_validated():
+    from te_fused_moe.backends.triton.nvfp4.quantize import NVSpec, quantize_rows, quantize_weight
+
+    with pytest.raises(ValueError, match="x: the NVFP4 quantize kernels need a width that is a multiple of 128, got 96"):
+        quantize_rows(torch.randn(4, 96), torch.zeros(20, dtype=torch.int32), 1, NVSpec())
+    with pytest.raises(ValueError, match=r"x: expected unit stride"):
+        quantize_rows(torch.randn(128, 4).t(), torch.zeros(20, dtype=torch.int32), 1, NVSpec())
+    with pytest.raises(ValueError, match="random_bits: only used with a stochastic-rounding spec"):
+        quantize_rows(torch.randn(4, 128), torch.zeros(20, dtype=torch.int32), 1, NVSpec(),
+                      random_bits=(torch.zeros(4, 128, dtype=torch.uint8),) * 2)
+    with pytest.raises(ValueError, match="w: the NVFP4 weight quantizer needs both sizes to be multiples of 128"):
+        quantize_weight(torch.randn(2, 96, 128), NVSpec())
+    with pytest.raises(ValueError, match="w: expected a contiguous"):
+        quantize_weight(torch.randn(2, 128, 128).transpose(1, 2), NVSpec())
