@@ -148,6 +148,25 @@ def backward_ms(forward: Callable, dy: torch.Tensor, params, reps: int = 30) -> 
     return float(times[len(times) // 2])
 
 
+def time_kernels(kernels: Dict, peak_tflops: float) -> Dict[str, Dict[str, float]]:
+    """``kernels``: name -> (fn, flops or None, bytes moved or None). Runs each once, then times it:
+    ms, TFLOP/s and share of ``peak_tflops`` (``of_fp8_peak``) or GB/s. Failures are recorded."""
+    out = {}
+    for name, (fn, flops, nbytes) in kernels.items():
+        try:
+            fn()
+            ms = do_bench_ms(fn)
+            entry = {"ms": ms}
+            if flops:
+                entry.update(tflops=flops / ms / 1e9, of_fp8_peak=flops / ms / 1e9 / peak_tflops)
+            if nbytes:
+                entry["gbps"] = nbytes / ms / 1e6
+            out[name] = entry
+        except Exception as exc:  # recorded: the other kernels still run
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
 def measure_ceilings() -> Dict[str, float]:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -1,10 +1,10 @@
-"""Benchmark of the block-scaled FP8 recipes (Float8BlockScaling, MXFP8BlockScaling) on one Hopper
-GPU, in one process:
+"""Benchmark of the block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling) on
+one Hopper GPU, in one process:
 
 - ``bf16_unfused``: ``torch._grouped_mm`` FC1 -> activation -> ``torch._grouped_mm`` FC2, autograd backward
   (:func:`te_fused_moe.bench.unfused_mlp`, the reference point of the FP8 block target);
 - ``bf16_fused``: our BF16 Triton path (``fused_moe_mlp(backend="triton")``);
-- ``<recipe>_unfused`` (``fp8_block``, ``mxfp8``): the same recipe without fusion: separate quantize
+- ``<recipe>_unfused`` (``fp8_block``, ``mxfp8``, ``nvfp4``): the same recipe without fusion: separate quantize
   kernels, our grouped GEMMs of that recipe with plain BF16 outputs (no epilogue), activation and its
   backward as separate PyTorch ops (``a`` and ``dh`` rounded to BF16 before their quantize kernel);
 - ``<recipe>_fused``: ``fused_moe_mlp(recipe=..., backend="triton")``;
@@ -14,7 +14,7 @@ GPU, in one process:
 
 Forward, backward and forward+backward ms (median), TFLOP/s over routed tokens (fwd+bwd counts 3x the
 forward FLOPs), ratios to ``bf16_unfused``, the targets (FP8 block fused fwd+bwd >= 1.5x BF16
-unfused; MXFP8 fused >= 1.3x MXFP8 unfused), peak memory, each kernel of each fused path alone, and
+unfused; MXFP8 fused >= 1.3x MXFP8 unfused; NVFP4 fused no slower than BF16 unfused), peak memory, each kernel of each fused path alone, and
 the weight caches (bytes held, and the per-micro-batch weight quantization they save). Ceilings
 measured first: cuBLAS BF16 and FP8 (``torch._scaled_mm``) 8192^3. Implementations that fail are
 recorded with their error.
@@ -35,17 +35,19 @@ import torch
 
 from . import bench
 from .activations import ActivationConfig
-from .recipes import Float8BlockScaling, MXFP8BlockScaling
+from .recipes import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
 FP8_MAX = 448.0
 DEFAULT_SHAPES = ["dsv3-e32", "dsv3-e32-zipf"]
-RECIPES = {"fp8_block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling}
+RECIPES = {"fp8_block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling, "nvfp4": NVFP4BlockScaling}
+FP8_RECIPES = ("fp8_block", "mxfp8")  # the ones with kernel variants and an fp8_format
 # (implementation, baseline, fwd+bwd speedup asked for): the issue's targets
-TARGETS = [("fp8_block_fused", "bf16_unfused", 1.5), ("mxfp8_fused", "mxfp8_unfused", 1.3)]
+TARGETS = [("fp8_block_fused", "bf16_unfused", 1.5), ("mxfp8_fused", "mxfp8_unfused", 1.3),
+           ("nvfp4_fused", "bf16_unfused", 1.0)]
 
 
 def recipe_kernels(recipe: str):
-    """The Triton kernels (``block_scaled.RecipeKernels``) and the default E4M3 spec of ``recipe``."""
+    """The Triton kernels and the default spec of ``recipe`` (NVFP4: its weights' spec)."""
     if recipe == "fp8_block":
         from .backends.triton.fp8_block.autograd import KERNELS
         from .backends.triton.fp8_block.quantize import FP8Spec
@@ -56,6 +58,10 @@ def recipe_kernels(recipe: str):
         from .backends.triton.mxfp8.quantize import MXSpec
 
         return KERNELS, MXSpec()
+    if recipe == "nvfp4":
+        from .backends.triton.nvfp4.autograd import KERNELS, specs_of
+
+        return KERNELS, specs_of(NVFP4BlockScaling())[2]
     raise ValueError(f"recipe: expected one of {sorted(RECIPES)}, got {recipe!r}")
 
 
@@ -187,6 +193,10 @@ def _fused(recipe: str):
 
 
 def _unfused(recipe: str):
+    if recipe == "nvfp4":
+        from .bench_nvfp4 import unfused
+
+        return unfused
     return lambda x, counts, w1, w2, activation: BlockScaledUnfused.apply(x, counts, w1, w2, activation, recipe)
 
 
@@ -246,6 +256,10 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
 
     from .backends.triton.schedule import build_schedule
 
+    if recipe == "nvfp4":
+        from . import bench_nvfp4
+
+        return bench_nvfp4.bench_kernels(shape, inputs, fp8_peak)
     k, spec = recipe_kernels(recipe)
     act = ActivationConfig(shape.activation)
     x, w1, w2, counts, dy = (inputs[name] for name in ("x", "w1", "w2", "counts", "dy"))
@@ -288,20 +302,7 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
         "wgrad_w1": (lambda: k.grouped_wgrad(dhq, xq, sched, dw1, config=wgrad_config), 2.0 * routed * n1 * H,
                      None),
     }
-    out = {}
-    for name, (fn, flops, nbytes) in kernels.items():
-        try:
-            fn()
-            ms = bench.do_bench_ms(fn)
-            entry = {"ms": ms}
-            if flops:
-                entry.update(tflops=flops / ms / 1e9, of_fp8_peak=flops / ms / 1e9 / fp8_peak)
-            if nbytes:
-                entry["gbps"] = nbytes / ms / 1e6
-            out[name] = entry
-        except Exception as exc:  # recorded: the other kernels still run
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    return out
+    return bench.time_kernels(kernels, fp8_peak)
 
 
 def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
@@ -356,7 +357,10 @@ def weight_cache_report(inputs, recipes=tuple(RECIPES)) -> Dict[str, Dict]:
     out = {"bf16_weight_bytes": (w1.numel() + w2.numel()) * w1.element_size(),
            "saved_for_backward_bytes": {"bf16_fused": 2 * T * H + 2 * T * n1 + 2 * T * F}}  # x, h, a
     # h, the columnwise FP8 copies of x and a, their scales (FP32 per 128 tokens / E8M0 per 32)
-    scale_bytes = {"fp8_block": 4 * (H + F) * (slots // 128), "mxfp8": (H + F) * (slots // 32)}
+    # (NVFP4: two codes per byte, an E4M3 scale per 16)
+    copies_bytes = {"fp8_block": (H + F) * slots + 4 * (H + F) * (slots // 128),
+                    "mxfp8": (H + F) * slots + (H + F) * (slots // 32),
+                    "nvfp4": (H + F) * slots // 2 + (H + F) * (slots // 16)}
     for recipe in recipes:
         k, spec = recipe_kernels(recipe)
         cache = WeightCache(follow_optimizer_steps=False, quantize_fn=k.quantize_weight)
@@ -367,7 +371,7 @@ def weight_cache_report(inputs, recipes=tuple(RECIPES)) -> Dict[str, Dict]:
                 lambda: (cache.clear(), cache.get(w1, spec), cache.get(w2, spec))),
             "cache_hit_ms": bench.do_bench_ms(lambda: (cache.get(w1, spec), cache.get(w2, spec))),
         }
-        out["saved_for_backward_bytes"][f"{recipe}_fused"] = 2 * T * n1 + (H + F) * slots + scale_bytes[recipe]
+        out["saved_for_backward_bytes"][f"{recipe}_fused"] = 2 * T * n1 + copies_bytes[recipe]
     return out
 
 
@@ -390,7 +394,8 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "recipes": {name: dataclasses.asdict(RECIPES[name]()) | {"fp8_format": "E4M3"} for name in recipes},
+        "recipes": {name: dataclasses.asdict(RECIPES[name]()) | ({"fp8_format": "E4M3"} if name in FP8_RECIPES else {})
+                    for name in recipes},
         "implementations": list(implementations), "ceilings": ceilings, "shapes": {},
         "targets": [f"{impl} fwd+bwd >= {x}x {base}" for impl, base, x in TARGETS if impl in implementations],
     }
@@ -503,7 +508,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"comma-separated from {sorted(bench.SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the text table")
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
-    parser.add_argument("--variants", choices=sorted(RECIPES),
+    parser.add_argument("--variants", choices=sorted(FP8_RECIPES),
                         help="instead: time that recipe's kernels under a few block configs (first shape only)")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help=f"comma-separated from {sorted(RECIPES)}: which recipes' implementations to time")
