@@ -4,6 +4,7 @@ of each kernel of its fused path alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict
 
 import torch
@@ -70,6 +71,18 @@ def unfused(x, counts, w1, w2, activation):
     return NVFP4Unfused.apply(x, counts, w1, w2, activation)
 
 
+def fused_bf16_weights(x, counts, w1, w2, activation):
+    """The fused path with the weight cache holding BF16 expansions (``autograd.BF16_WEIGHT_VALUES``)."""
+    from .ops import fused_moe_mlp
+
+    autograd = _kernels()[0]
+    default, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, True
+    try:
+        return fused_moe_mlp(x, counts, w1, w2, activation=activation, recipe=NVFP4BlockScaling(), backend="triton")
+    finally:
+        autograd.BF16_WEIGHT_VALUES = default
+
+
 def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict[str, float]]:
     """Each kernel of the fused NVFP4 path alone: ms, TFLOP/s (GEMMs, and their share of the FP8
     peak) or GB/s (quantize: the input read once by the amax pass and once by the quantize pass)."""
@@ -119,4 +132,20 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
         "wgrad_w2": (lambda: wgrad.nv_grouped_wgrad(dyq, aq, sched, dw2), 2.0 * routed * H * F, None),
         "wgrad_w1": (lambda: wgrad.nv_grouped_wgrad(dhq, xq, sched, dw1), 2.0 * routed * n1 * H, None),
     }
+    # the same GEMMs reading the weights as exact BF16 expansions (NVSpec.bf16_values) instead of codes
+    w_bf16 = dataclasses.replace(weight_spec, bf16_values=True)
+    w1v, w2v = quantize.quantize_weight(w1, w_bf16), quantize.quantize_weight(w2, w_bf16)
+    kernels.update({
+        "quantize_weights_bf16_values": (lambda: (quantize.quantize_weight(w1, w_bf16),
+                                                  quantize.quantize_weight(w2, w_bf16)), None,
+                                         2 * (w1.numel() + w2.numel()) * 2.0),
+        "fc1_glu_bf16w": (lambda: gemm.launch("fc1", xq, w1v, F, sched, E, c=a, h=h, h_up_offset=F, b_up_rows=F, **kw),
+                          2.0 * routed * H * n1, None),
+        "fc2_bf16w": (lambda: gemm.launch("fc2", aq, w2v, H, sched, E, c=y), 2.0 * routed * F * H, None),
+        "fc2_dgrad_dglu_bf16w": (lambda: gemm.launch("dact", dyq, w2v, F, sched, E, b_transposed=True, c=dh,
+                                                     c_up_offset=F, h=h, h_up_offset=F, probs=probs, dprob=dprob,
+                                                     **kw), 2.0 * routed * H * F, None),
+        "fc1_dgrad_bf16w": (lambda: gemm.launch("dgrad", dhq, w1v, H, sched, E, b_transposed=True, c=dx),
+                            2.0 * routed * n1 * H, None),
+    })
     return bench.time_kernels(kernels, fp8_peak)

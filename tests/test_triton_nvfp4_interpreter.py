@@ -57,6 +57,8 @@ MLP_CASES = [
     ("gelu-frozen-x", 170, 128, 128, 3, "gelu", True, True, [64, 0, 96], 10, True, True, ("x", "probs"), {}),
     ("silu-allpad", 64, 128, 128, 3, "silu", True, True, [0, 0, 0], 64, True, True, (), {}),
     ("swiglu-T0", 0, 128, 128, 2, "swiglu", True, True, [0, 0], 0, True, True, (), {}),
+    # the weight cache's BF16 expansions read by the GEMMs instead of the packed weights
+    ("swiglu-x16-bf16w", 300, 256, 128, 3, "swiglu", True, True, [96, 0, 160], 44, True, True, (), {}),
 ]
 SR_CASE = ("swiglu-sr", 300, 256, 128, 3, "swiglu", True, True, [96, 32, 128], 44, True, True, (),
            dict(disable_stochastic_rounding=False))
@@ -186,7 +188,7 @@ def check_quantize_kernels(device: str) -> dict:
     """Per case, mismatch counts of every output of quantize_rows / quantize_weight."""
     from te_fused_moe.backends.triton.nvfp4.quantize import TILE, NVSpec, quantize_rows, quantize_weight
     from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
-    from te_fused_moe.quantize import nvfp4
+    from te_fused_moe.quantize import formats, nvfp4
 
     g = torch.Generator().manual_seed(1)
     out = {}
@@ -217,8 +219,9 @@ def check_quantize_kernels(device: str) -> dict:
     w = torch.randn(2, 256, 384, generator=g)
     w[1, 17, 200] = 40.0  # one tile's outlier
     for block_2d in (True, False):
-        wq = quantize_weight(w.to(device=device, dtype=torch.bfloat16), NVSpec(rht=False, block_2d=block_2d))
-        bad = {"data": 0, "scale": 0, "data_t": 0, "scale_t": 0, "amax": 0}
+        wq = quantize_weight(w.to(device=device, dtype=torch.bfloat16),
+                             NVSpec(rht=False, block_2d=block_2d, bf16_values=True))
+        bad = {"data": 0, "scale": 0, "data_t": 0, "scale_t": 0, "amax": 0, "values": 0, "values_t": 0}
         for e in range(2):
             we = w[e].to(torch.bfloat16).float()
             ref = nvfp4.quantize(we, axis=1, block_2d=block_2d)
@@ -231,6 +234,12 @@ def check_quantize_kernels(device: str) -> dict:
             bad["data_t"] += int((wq.data_t[e].cpu() != ref_t.data.t()).sum())
             bad["scale_t"] += int((wq.scale_t[e].cpu() != scale_t.t()).sum())
             bad["amax"] += int(wq.amax[e].cpu() != ref.global_amax)
+            # BF16 values: each code times its block scale, exactly (the tensor scale stays apart)
+            codes = formats.decode(nvfp4.unpack_e2m1(ref.data, 1, we.shape[1]), formats.E2M1)
+            codes_t = formats.decode(nvfp4.unpack_e2m1(ref_t.data, 0, we.shape[0]), formats.E2M1)
+            block = lambda sc, dim: formats.decode(sc, formats.E4M3).repeat_interleave(16, dim)
+            bad["values"] += int((wq.values[e].float().cpu() != codes * block(scale, 1)).sum())
+            bad["values_t"] += int((wq.values_t[e].float().cpu() != (codes_t * block(scale_t, 0)).t()).sum())
         out[f"weight_2d_{block_2d}"] = bad
     return out
 
@@ -299,7 +308,7 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     from block_scaled_checks import compare_with_reference
     from moe_reference import poison_, random_problem
 
-    from te_fused_moe.backends.triton.nvfp4 import gemm
+    from te_fused_moe.backends.triton.nvfp4 import autograd, gemm
     from te_fused_moe.recipes import NVFP4BlockScaling
 
     _, T, H, F, E, act, bias, probs, counts, padding, h_fp32, tma, frozen, options = case
@@ -312,7 +321,11 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=torch.bfloat16)
     recipe = NVFP4BlockScaling(**{"disable_stochastic_rounding": True, **options})
     alloc = (lambda *a, **k: poison_(torch.empty(*a, **k))) if poison else torch.empty
-    res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
+    default, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, case[0].endswith("bf16w")
+    try:
+        res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
+    finally:
+        autograd.BF16_WEIGHT_VALUES = default
     res["seed"] = seed
     return res
 
@@ -379,18 +392,23 @@ def sm90_build_report() -> dict:
     ptrs = dict(as_ptr="*u8", bs_ptr="*u8", amax_a_ptr="*fp32", amax_b_ptr="*fp32", c_ptr="*bf16", h_ptr="*bf16",
                 bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32", limit="fp32")
     report = {}
-    for name, kind, gated, act in (("fc1_swiglu", "fc1", True, "swiglu"), ("fc1_srelu", "fc1", False, "srelu"),
-                                   ("fc2", "fc2", False, "swiglu"), ("dact_gptoss", "dact", True, "gpt_oss_swiglu"),
-                                   ("dgrad", "dgrad", False, "swiglu")):
+    for name, kind, gated, act, b_bf16 in (("fc1_swiglu", "fc1", True, "swiglu", False),
+                                           ("fc1_srelu", "fc1", False, "srelu", False),
+                                           ("fc2", "fc2", False, "swiglu", False),
+                                           ("dact_gptoss", "dact", True, "gpt_oss_swiglu", False),
+                                           ("dgrad", "dgrad", False, "swiglu", False),
+                                           ("fc1_swiglu_bf16w", "fc1", True, "swiglu", True),
+                                           ("dgrad_bf16w", "dgrad", False, "swiglu", True)):
         cfg = gemm.default_config(kind)
         mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
-        types = dict(ptrs, a_src=f"tensordesc<u8[128, {gemm.BLOCK_K // 2}]>",
-                     b_src=f"tensordesc<u8[{cfg.block_n}, {gemm.BLOCK_K // 2}]>")
+        b_box = f"bf16[{cfg.block_n}, {gemm.BLOCK_K}]" if b_bf16 else f"u8[{cfg.block_n}, {gemm.BLOCK_K // 2}]"
+        types = dict(ptrs, a_src=f"tensordesc<u8[128, {gemm.BLOCK_K // 2}]>", b_src=f"tensordesc<{b_box}>")
         if mode != gemm.MODE_PLAIN:
             types["c_ptr"] = "*fp32"
         consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
                       WRITE_DPROB=mode == gemm.MODE_DACT, USE_TMA=True, UPCAST=False,
-                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, BM=128, BN=cfg.block_n,
+                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, B_BF16=b_bf16, BM=128,
+                      BN=cfg.block_n,
                       BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
         report[name] = build(gemm.nv_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
     wc = W.default_config()
@@ -410,9 +428,10 @@ def sm90_build_report() -> dict:
                                           bits_ptr="*u8", bits_t_ptr="*u8", sched_ptr="*i32"),
             dict(ROWWISE=True, COLWISE=True, COLSUM=True, RHT=True, STOCHASTIC=sr, GIVEN_BITS=False,
                  NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
-    report["quantize_weight_2d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
-                                                                        s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
-                                         dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128))
+    report["quantize_weight_2d_values"] = build(
+        Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", s_ptr="*u8", qt_ptr="*u8",
+                                       st_ptr="*u8", v_ptr="*bf16", vt_ptr="*bf16"),
+        dict(TRANSPOSED=True, BLOCK_2D=True, VALUES=True, UPCAST=False, BLK=128))
     return report
 
 

@@ -67,6 +67,7 @@ GPU_CASES = [
     ("srelu-one-ptr-1d-norht", 2048, 384, 256, 4, "srelu", True, False, "one", 3, True, False, (),
      dict(disable_rht=True, disable_2d_quantization=True)),
     ("swiglu-zipf-hbf16", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (), {}),
+    ("gptoss-ragged-bf16w", 4096, 512, 256, 8, "gpt_oss_swiglu", True, True, "balanced", 30, True, True, (), {}),
 ]
 
 

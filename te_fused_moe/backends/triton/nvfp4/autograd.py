@@ -38,12 +38,18 @@ from .quantize import TILE, WEIGHT_CACHE, NVSpec, quantize_rows, quantize_weight
 from .wgrad import nv_grouped_wgrad
 
 
+# The weight cache keeps BF16 expansions of the weights (the GEMMs then expand only the activation
+# operand in their K loops) at twice the BF16 weights' bytes, or only the packed codes.
+BF16_WEIGHT_VALUES = False
+
+
 def specs_of(recipe):
     """(activations, gradients, weights) specs of an NVFP4BlockScaling recipe."""
     rht = not recipe.disable_rht
     return (NVSpec(stochastic=False, rht=rht),
             NVSpec(stochastic=not recipe.disable_stochastic_rounding, rht=rht),
-            NVSpec(stochastic=False, rht=False, block_2d=not recipe.disable_2d_quantization))
+            NVSpec(stochastic=False, rht=False, block_2d=not recipe.disable_2d_quantization,
+                   bf16_values=BF16_WEIGHT_VALUES))
 
 
 def _new(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -67,6 +67,20 @@ def default_config(kind: str) -> NVGemmConfig:
 
 
 @triton.jit
+def _b_values(b, sb_ptrs, kb, stride_bsk, UPCAST: tl.constexpr, B_BF16: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr):
+    """B's loaded [BN, BK] tile as the dot's operand: BF16 values already expanded by the weight cache
+    (``B_BF16``), or packed codes expanded here with their scales."""
+    if B_BF16:
+        if UPCAST:
+            return b.to(tl.float32)
+        else:
+            return b
+    else:
+        return e2m1_expand(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
+
+
+@triton.jit
 def nv_grouped_gemm_kernel(
     a_src, stride_am, as_ptr, stride_asm, stride_ask, amax_a_ptr,
     b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, amax_b_ptr, B_ROWS, b_up_rows,
@@ -78,7 +92,7 @@ def nv_grouped_gemm_kernel(
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, B_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -91,36 +105,37 @@ def nv_grouped_gemm_kernel(
     rows_in = tl.minimum(a_row + tl.arange(0, BM), T - 1).to(tl.int64)  # scale (and pointer) loads stay inside
     cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
     offs_k = tl.arange(0, BK // 2)
+    B_STEP: tl.constexpr = BK // (2 - B_BF16)  # B's K step in its elements: BF16 values, or bytes of two codes
+    offs_bk = tl.arange(0, B_STEP)
     b_row = expert * B_ROWS + pid_n * BN
     e64 = expert.to(tl.int64)
     sa_ptrs = as_ptr + rows_in * stride_asm
     sb_ptrs = bs_ptr + e64 * stride_bse + cols_in * stride_bsn
     if not USE_TMA:
         a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_bk[None, :]
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(0, tl.where(is_padding, 0, K // BK)):
         k0 = kt * (BK // 2)  # bytes
+        kb = kt * (BK // 16) + tl.arange(0, BK // 16)
         if USE_TMA:
             a = a_src.load([a_row, k0])
-            b = b_src.load([b_row, k0])
+            b = b_src.load([b_row, kt * B_STEP])
         else:
             a = tl.load(a_ptrs + k0)
-            b = tl.load(b_ptrs + k0)
-        kb = kt * (BK // 16) + tl.arange(0, BK // 16)
+            b = tl.load(b_ptrs + kt * B_STEP)
         a_x = e2m1_expand(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
-        b_x = e2m1_expand(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
-        acc = tl.dot(a_x, tl.trans(b_x), acc)
+        acc = tl.dot(a_x, tl.trans(_b_values(b, sb_ptrs, kb, stride_bsk, UPCAST, B_BF16, BN, BK)), acc)
         if GATED and MODE == 1:
             if USE_TMA:
-                b_up = b_src.load([b_row + b_up_rows, k0])
+                b_up = b_src.load([b_row + b_up_rows, kt * B_STEP])
             else:
-                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
-            sb_up = tl.load(sb_ptrs[:, None] + b_up_rows * stride_bsn + kb[None, :] * stride_bsk)
-            acc_up = tl.dot(a_x, tl.trans(e2m1_expand(b_up, sb_up, BN, BK, UPCAST)), acc_up)
+                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + kt * B_STEP)
+            b_up = _b_values(b_up, sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, UPCAST, B_BF16, BN, BK)
+            acc_up = tl.dot(a_x, tl.trans(b_up), acc_up)
 
     # --- epilogue, FP32: the two tensor scales (padding tiles have no K loop and may hold any amax)
     factor = (tl.load(amax_a_ptr + group) * DEQUANT_FACTOR) * (tl.load(amax_b_ptr + expert) * DEQUANT_FACTOR)
@@ -168,14 +183,16 @@ def nv_grouped_gemm_kernel(
 
 def _operand_sources(a: torch.Tensor, b: torch.Tensor, block_n: int, use_tma: bool):
     """TMA descriptors of the packed ``a`` [T, K/2] (boxes 128 x 64 bytes) and of ``b`` [E, rows, K/2]
-    seen as ``[E * rows, K/2]`` (boxes ``block_n`` x 64), or the tensors themselves."""
+    packed or [E, rows, K] BF16, seen as 2-D (boxes of ``block_n`` rows by one K step), or the tensors."""
     if not use_tma:
         return a, b
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_rows, k_bytes = a.shape
+    b_width = b.shape[2]
+    b_box = BLOCK_K if b.dtype == torch.bfloat16 else BLOCK_K // 2
     return (TensorDescriptor(a, [num_rows, k_bytes], [a.stride(0), 1], [TILE, BLOCK_K // 2]),
-            TensorDescriptor(b, [b.shape[0] * b.shape[1], k_bytes], [k_bytes, 1], [block_n, BLOCK_K // 2]))
+            TensorDescriptor(b, [b.shape[0] * b.shape[1], b_width], [b_width, 1], [block_n, b_box]))
 
 
 def _or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
@@ -196,12 +213,15 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     cfg = config or default_config(kind)
     a_data, a_scale = a.data, a.scale
     b_data, b_scale = (b.data_t, b.scale_t) if b_transposed else (b.data, b.scale)
+    b_values = b.values_t if b_transposed else b.values
     if a_data is None or b_data is None:
         raise ValueError("a, b: the GEMM needs a's rowwise copy and b's copy along the reduction axis")
     num_rows, k = a_data.shape[0], 2 * a_data.shape[1]
     if k % BLOCK_K or n % TILE or b_data.shape[2] * 2 != k:
         raise ValueError(f"NVFP4 GEMM: K={k} (b: {2 * b_data.shape[2]}) must match and be a multiple of {BLOCK_K}, "
                          f"N={n} of {TILE}")
+    if b_values is not None:  # the weight cache's exact BF16 expansion: no expansion of B in the K loop
+        b_data = b_values
     if n % cfg.block_n:
         raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
@@ -221,6 +241,7 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_experts + 1,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         WRITE_DPROB=dprob is not None, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, BM=TILE, BN=cfg.block_n, BK=BLOCK_K,
+        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, B_BF16=b_values is not None, BM=TILE,
+        BN=cfg.block_n, BK=BLOCK_K,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

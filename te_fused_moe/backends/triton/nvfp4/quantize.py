@@ -41,7 +41,7 @@ from ..fp8_block.codec import nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
 from ..schedule import build_schedule, max_m_tiles, tile_rows, total_tiles
-from .codec import block_scale, e2m1_encode, e2m1_encode_stochastic, pack_pairs, tensor_scales
+from .codec import block_scale, e2m1_encode, e2m1_encode_stochastic, e2m1_expand, pack_pairs, tensor_scales
 
 NV = 16  # elements per scale block
 TILE = 128  # schedule M tile
@@ -53,11 +53,14 @@ RHT_NEG_MASK = sum(1 << i for i, s in enumerate(hadamard.WGRAD_SIGNS) if s < 0)
 @dataclasses.dataclass(frozen=True)
 class NVSpec:
     """How one role's tensors are quantized: ``stochastic`` rounding (gradients), ``rht`` on the
-    wgrad (columnwise) copies, ``block_2d`` 16x16 tiles (weights)."""
+    wgrad (columnwise) copies, ``block_2d`` 16x16 tiles (weights); ``bf16_values`` (weights): the
+    cache also keeps each code times its block scale as BF16 (exact), which the GEMMs then read
+    instead of expanding the packed weights in their K loops (twice the BF16 weights' bytes)."""
 
     stochastic: bool = False
     rht: bool = True
     block_2d: bool = False
+    bf16_values: bool = False
 
 
 @dataclasses.dataclass
@@ -81,11 +84,13 @@ class NVWeight:
     data_t: Optional[torch.Tensor]  # [E, K, N/2] uint8
     scale_t: Optional[torch.Tensor]  # [E, K, N/16] uint8
     amax: torch.Tensor  # [E] float32
+    values: Optional[torch.Tensor] = None  # [E, N, K] bf16: codes x block scales (no tensor scale)
+    values_t: Optional[torch.Tensor] = None  # [E, K, N] bf16
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.data_t, self.scale, self.scale_t, self.amax)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.data_t, self.scale, self.scale_t, self.amax,
+                                                          self.values, self.values_t) if t is not None)
 
 
 # ----------------------------------------------------------------------------- device functions
@@ -231,8 +236,9 @@ def quantize_weight_kernel(
     w_ptr, stride_we, stride_wn, amax_ptr,
     q_ptr, s_ptr, stride_se, stride_sk,
     qt_ptr, st_ptr, stride_ste, stride_stn,
+    v_ptr, vt_ptr,
     N, K,
-    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, BLK: tl.constexpr,
+    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, VALUES: tl.constexpr, UPCAST: tl.constexpr, BLK: tl.constexpr,
 ):
     """One BLK x BLK tile of ``w[e]`` [N, K] with ``w[e]``'s tensor scale: ``q[e]`` [N, K/2] (1x16
     along K, or 16x16 tiles; scales at ``s[e, k // 16, n]``) and ``qt[e]`` [K, N/2] (along N; with
@@ -247,8 +253,11 @@ def quantize_weight_kernel(
     no_bits = tl.zeros((BLK, BLK), tl.int32)
     out = e.to(tl.int64) * N * (K // 2)
     codes, sc = quantize_along_cols(w, s_enc, s_dec, no_bits, BLK, BLK, False, BLOCK_2D)
-    tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
-             pack_pairs(codes, BLK, BLK))
+    packed = pack_pairs(codes, BLK, BLK)
+    tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :], packed)
+    if VALUES:
+        tl.store(v_ptr + e.to(tl.int64) * N * K + rows[:, None] * K + cols[None, :],
+                 e2m1_expand(packed, sc, BLK, BLK, UPCAST).to(tl.bfloat16))
     kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
     tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
     if TRANSPOSED:
@@ -259,10 +268,14 @@ def quantize_weight_kernel(
                               (BLK // 16, BLK))  # [n tile, k]: each k of a tile repeats its scale
         else:
             codes_t, sc_t = quantize_along_rows(w, s_enc, s_dec, no_bits, BLK, BLK, False)
+        packed_t = pack_pairs(tl.trans(codes_t), BLK, BLK)
         tl.store(qt_ptr + out + cols[:, None] * (N // 2) + (pid_n * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
-                 pack_pairs(tl.trans(codes_t), BLK, BLK))
+                 packed_t)
         nb = pid_n * (BLK // 16) + tl.arange(0, BLK // 16)
         tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
+        if VALUES:
+            tl.store(vt_ptr + e.to(tl.int64) * N * K + cols[:, None] * N + rows[None, :],
+                     e2m1_expand(packed_t, tl.trans(sc_t), BLK, BLK, UPCAST).to(tl.bfloat16))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -367,16 +380,20 @@ def quantize_weight(w: torch.Tensor, spec: NVSpec, *, transposed: bool = True, a
     data_t = alloc((e, k, n // 2), device=w.device, dtype=torch.uint8) if transposed else None
     scale_t = alloc((e, n // NV, k), device=w.device, dtype=torch.uint8).transpose(1, 2) if transposed else None
     amax = weight_amax(w) if w.numel() else torch.zeros(e, device=w.device, dtype=torch.float32)
+    values = alloc((e, n, k), device=w.device, dtype=torch.bfloat16) if spec.bf16_values else None
+    values_t = alloc((e, k, n), device=w.device, dtype=torch.bfloat16) if spec.bf16_values and transposed else None
     if w.numel():
         quantize_weight_kernel[(e, n // TILE, k // TILE)](
             w, w.stride(0), w.stride(1), amax,
             data, scale, scale.stride(0), scale.stride(2),
             data_t if transposed else data, scale_t if transposed else scale,
             scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0,
-            n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, BLK=TILE,
+            values if values is not None else data, values_t if values_t is not None else data,
+            n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, VALUES=spec.bf16_values, UPCAST=interpreting(),
+            BLK=TILE,
             num_warps=4 if interpreting() else 8,
         )
-    return NVWeight(data, scale, data_t, scale_t, amax)
+    return NVWeight(data, scale, data_t, scale_t, amax, values, values_t)
 
 
 # fp8_block's per-optimizer-step cache (same invalidation rules) holding NVFP4 copies
