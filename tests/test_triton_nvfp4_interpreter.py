@@ -67,7 +67,7 @@ SR_CASE = ("swiglu-sr", 300, 256, 128, 3, "swiglu", True, True, [96, 32, 128], 4
 # --- 1. device functions ------------------------------------------------------------------------------
 
 _KERNELS = {}
-e2m1_encode = e2m1_encode_stochastic = e4m3_to_float = e2m1_expand = None  # bound by _codec_kernels()
+e2m1_encode = e2m1_encode_stochastic = e4m3_to_float = e2m1_expand_halves = None  # bound by _codec_kernels()
 
 
 def _codec_kernels():
@@ -78,7 +78,7 @@ def _codec_kernels():
         from te_fused_moe.backends.triton.nvfp4 import codec
 
         globals().update(e2m1_encode=codec.e2m1_encode, e2m1_encode_stochastic=codec.e2m1_encode_stochastic,
-                         e4m3_to_float=codec.e4m3_to_float, e2m1_expand=codec.e2m1_expand)
+                         e4m3_to_float=codec.e4m3_to_float, e2m1_expand_halves=codec.e2m1_expand_halves)
 
         @triton.jit
         def encode_kernel(v_ptr, bits_ptr, rne_ptr, sr_ptr, code_ptr, dec_ptr, n, BLOCK: tl.constexpr):
@@ -95,8 +95,10 @@ def _codec_kernels():
             r = tl.arange(0, ROWS)[:, None]
             packed = tl.load(p_ptr + r * (COLS // 2) + tl.arange(0, COLS // 2)[None, :])
             scales = tl.load(s_ptr + r * (COLS // 16) + tl.arange(0, COLS // 16)[None, :])
-            out = e2m1_expand(packed, scales, ROWS, COLS, UPCAST).to(tl.float32)
-            tl.store(out_ptr + r * COLS + tl.arange(0, COLS)[None, :], out)
+            even, odd = e2m1_expand_halves(packed, scales, ROWS, COLS, UPCAST)
+            half = tl.arange(0, COLS // 2)[None, :]
+            tl.store(out_ptr + r * COLS + 2 * half, even.to(tl.float32))
+            tl.store(out_ptr + r * COLS + 2 * half + 1, odd.to(tl.float32))
 
         _KERNELS["codec"] = (encode_kernel, expand_kernel)
     return _KERNELS["codec"]
@@ -184,6 +186,14 @@ def _rows_mismatches(q, x, counts, spec, bits=None) -> dict:
     return bad
 
 
+def split_order(t: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """``t`` [R, C] with each ``block`` of columns reordered even columns first (the weight cache's
+    BF16 values layout)."""
+    r, c = t.shape
+    blocks = t.reshape(r, c // block, block // 2, 2)
+    return torch.cat((blocks[..., 0], blocks[..., 1]), dim=2).reshape(r, c)
+
+
 def check_quantize_kernels(device: str) -> dict:
     """Per case, mismatch counts of every output of quantize_rows / quantize_weight."""
     from te_fused_moe.backends.triton.nvfp4.quantize import TILE, NVSpec, quantize_rows, quantize_weight
@@ -238,8 +248,8 @@ def check_quantize_kernels(device: str) -> dict:
             codes = formats.decode(nvfp4.unpack_e2m1(ref.data, 1, we.shape[1]), formats.E2M1)
             codes_t = formats.decode(nvfp4.unpack_e2m1(ref_t.data, 0, we.shape[0]), formats.E2M1)
             block = lambda sc, dim: formats.decode(sc, formats.E4M3).repeat_interleave(16, dim)
-            bad["values"] += int((wq.values[e].float().cpu() != codes * block(scale, 1)).sum())
-            bad["values_t"] += int((wq.values_t[e].float().cpu() != (codes_t * block(scale_t, 0)).t()).sum())
+            bad["values"] += int((wq.values[e].float().cpu() != split_order(codes * block(scale, 1))).sum())
+            bad["values_t"] += int((wq.values_t[e].float().cpu() != split_order((codes_t * block(scale_t, 0)).t())).sum())
         out[f"weight_2d_{block_2d}"] = bad
     return out
 
@@ -401,7 +411,7 @@ def sm90_build_report() -> dict:
                                            ("dgrad_bf16w", "dgrad", False, "swiglu", True)):
         cfg = gemm.default_config(kind)
         mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
-        b_box = f"bf16[{cfg.block_n}, {gemm.BLOCK_K}]" if b_bf16 else f"u8[{cfg.block_n}, {gemm.BLOCK_K // 2}]"
+        b_box = f"{'bf16' if b_bf16 else 'u8'}[{cfg.block_n}, {gemm.BLOCK_K // 2}]"
         types = dict(ptrs, a_src=f"tensordesc<u8[128, {gemm.BLOCK_K // 2}]>", b_src=f"tensordesc<{b_box}>")
         if mode != gemm.MODE_PLAIN:
             types["c_ptr"] = "*fp32"
@@ -420,14 +430,14 @@ def sm90_build_report() -> dict:
                             wc.num_warps, wc.num_stages)
     report["amax_rht"] = build(Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32",
                                                          sched_ptr="*i32"),
-                               dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
+                               dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, TF32_EXACT=True, BM=128, BK=Q.QUANT_COLS))
     for sr in (False, True):
         report[f"quantize_rht_sr{int(sr)}"] = build(
             Q.quantize_tiles_kernel, dict(x_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", amax_ptr="*fp32", qt_ptr="*u8",
                                           qts_ptr="*u8", amax_t_ptr="*fp32", colsum_ptr="*fp32", seed_ptr="*i32",
                                           bits_ptr="*u8", bits_t_ptr="*u8", sched_ptr="*i32"),
             dict(ROWWISE=True, COLWISE=True, COLSUM=True, RHT=True, STOCHASTIC=sr, GIVEN_BITS=False,
-                 NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
+                 NEG_MASK=Q.RHT_NEG_MASK, TF32_EXACT=not sr, BM=128, BK=Q.QUANT_COLS))
     report["quantize_weight_2d_values"] = build(
         Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", s_ptr="*u8", qt_ptr="*u8",
                                        st_ptr="*u8", v_ptr="*bf16", vt_ptr="*bf16"),

@@ -110,15 +110,19 @@ def e2m1_values(c, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def e2m1_expand(packed, scale_codes, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+def e2m1_expand_halves(packed, scale_codes, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
     """Packed E2M1 tile ``packed`` [ROWS, COLS / 2] (uint8) times its E4M3 block scales
-    ``scale_codes`` [ROWS, COLS / 16], as BF16 [ROWS, COLS] (FP32 under the interpreter). Exact: an
-    E2M1 value (2 significant bits) times an E4M3 scale (4) fits BF16's 8 significant bits. The low
-    and high nibbles are scaled apart (byte j holds elements 2j, 2j + 1 of block j // 8) and
-    interleaved last, so the wide intermediates are 16-bit."""
+    ``scale_codes`` [ROWS, COLS / 16] as two BF16 [ROWS, COLS / 2] tiles (FP32 under the
+    interpreter): the even elements (low nibbles) and the odd ones (high nibbles). Exact: an E2M1
+    value (2 significant bits) times an E4M3 scale (4) fits BF16's 8.
+
+    The halves are not interleaved back: a GEMM reduces over K in any order, so it runs one dot per
+    half with both operands split alike (interleaving in registers is a layout shuffle through shared
+    memory that made the K loops 2-4x slower on the H200, run 14). Byte j holds elements 2j, 2j + 1,
+    both in block j // 8."""
     scale = e4m3_to_float(scale_codes)
     if not UPCAST:
         scale = scale.to(tl.bfloat16)  # exact: 4 significant bits
-    lo = tl.reshape(e2m1_values(packed & 0xF, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
-    hi = tl.reshape(e2m1_values(packed >> 4, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
-    return tl.reshape(tl.join(tl.reshape(lo, (ROWS, COLS // 2)), tl.reshape(hi, (ROWS, COLS // 2))), (ROWS, COLS))
+    even = tl.reshape(e2m1_values(packed & 0xF, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
+    odd = tl.reshape(e2m1_values(packed >> 4, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
+    return tl.reshape(even, (ROWS, COLS // 2)), tl.reshape(odd, (ROWS, COLS // 2))

@@ -6,7 +6,10 @@ K-major (``[E, N, K/2]``, scales ``[E, N, K/16]``, ``amax_b`` [E]).
 
 Hopper has neither FP4 nor block-scaled tensor cores, so every K step of 128 expands both operands
 in registers — E2M1 code times its E4M3 block scale, which is exact in BF16 (2 + 4 significant bits
-fit 8) — and runs one BF16 wgmma into the loop-carried FP32 accumulator. The two tensor scales are
+fit 8) — as two halves (even and odd elements: ``codec.e2m1_expand_halves``) and runs one BF16
+wgmma per half into the loop-carried FP32 accumulator. With ``NVSpec.bf16_values`` the weight cache
+holds B already expanded (each 128-wide K block stored even elements first), so only A is
+expanded in the loop. The two tensor scales are
 one FP32 factor per tile, ``(amax_a / 2688) * (amax_b / 2688)``, applied in the epilogue. That is
 the Blackwell block-scaled MMA's product up to the order of FP32 sums (the reference dequantizes
 each element with the factor rounded in; the difference is FP32 rounding).
@@ -33,7 +36,7 @@ from ..act_math import ACT_IDS, to_output
 from ..block_scaled_launch import tma_allowed
 from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
-from .codec import DEQUANT_FACTOR, e2m1_expand
+from .codec import DEQUANT_FACTOR, e2m1_expand_halves
 from .quantize import TILE
 
 MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
@@ -67,17 +70,28 @@ def default_config(kind: str) -> NVGemmConfig:
 
 
 @triton.jit
-def _b_values(b, sb_ptrs, kb, stride_bsk, UPCAST: tl.constexpr, B_BF16: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr):
-    """B's loaded [BN, BK] tile as the dot's operand: BF16 values already expanded by the weight cache
-    (``B_BF16``), or packed codes expanded here with their scales."""
+def _b_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+              B_BF16: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """B's K step ``kt`` as (even, odd) [BN, BK / 2] halves: two loads of the weight cache's BF16 values
+    (stored even elements first in each BK block, ``quantize.quantize_weight``), or one load of
+    packed codes expanded here with their scales."""
     if B_BF16:
-        if UPCAST:
-            return b.to(tl.float32)
+        if USE_TMA:
+            even = b_src.load([b_row, kt * BK])
+            odd = b_src.load([b_row, kt * BK + BK // 2])
         else:
-            return b
+            even = tl.load(b_ptrs + kt * BK)
+            odd = tl.load(b_ptrs + kt * BK + BK // 2)
+        if UPCAST:
+            return even.to(tl.float32), odd.to(tl.float32)
+        else:
+            return even, odd
     else:
-        return e2m1_expand(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
+        if USE_TMA:
+            b = b_src.load([b_row, kt * (BK // 2)])
+        else:
+            b = tl.load(b_ptrs + kt * (BK // 2))
+        return e2m1_expand_halves(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
 
 
 @triton.jit
@@ -104,38 +118,36 @@ def nv_grouped_gemm_kernel(
     expert = tl.minimum(group, NUM_GROUPS - 2)
     rows_in = tl.minimum(a_row + tl.arange(0, BM), T - 1).to(tl.int64)  # scale (and pointer) loads stay inside
     cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
-    offs_k = tl.arange(0, BK // 2)
-    B_STEP: tl.constexpr = BK // (2 - B_BF16)  # B's K step in its elements: BF16 values, or bytes of two codes
-    offs_bk = tl.arange(0, B_STEP)
+    offs_k = tl.arange(0, BK // 2)  # bytes of packed codes, or BF16 values of one half of a K step
     b_row = expert * B_ROWS + pid_n * BN
     e64 = expert.to(tl.int64)
     sa_ptrs = as_ptr + rows_in * stride_asm
     sb_ptrs = bs_ptr + e64 * stride_bse + cols_in * stride_bsn
-    if not USE_TMA:
+    if USE_TMA:
+        b_ptrs = 0  # unused: the descriptors address the tiles
+    else:
         a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_bk[None, :]
+        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(0, tl.where(is_padding, 0, K // BK)):
-        k0 = kt * (BK // 2)  # bytes
         kb = kt * (BK // 16) + tl.arange(0, BK // 16)
         if USE_TMA:
-            a = a_src.load([a_row, k0])
-            b = b_src.load([b_row, kt * B_STEP])
+            a = a_src.load([a_row, kt * (BK // 2)])
         else:
-            a = tl.load(a_ptrs + k0)
-            b = tl.load(b_ptrs + kt * B_STEP)
-        a_x = e2m1_expand(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
-        acc = tl.dot(a_x, tl.trans(_b_values(b, sb_ptrs, kb, stride_bsk, UPCAST, B_BF16, BN, BK)), acc)
+            a = tl.load(a_ptrs + kt * (BK // 2))
+        a_even, a_odd = e2m1_expand_halves(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
+        b_even, b_odd = _b_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA, UPCAST, B_BF16, BN, BK)
+        acc = tl.dot(a_even, tl.trans(b_even), acc)
+        acc = tl.dot(a_odd, tl.trans(b_odd), acc)
         if GATED and MODE == 1:
-            if USE_TMA:
-                b_up = b_src.load([b_row + b_up_rows, kt * B_STEP])
-            else:
-                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + kt * B_STEP)
-            b_up = _b_values(b_up, sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, UPCAST, B_BF16, BN, BK)
-            acc_up = tl.dot(a_x, tl.trans(b_up), acc_up)
+            up_even, up_odd = _b_halves(b_src, b_ptrs + b_up_rows * stride_bn, b_row + b_up_rows, kt,
+                                        sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, USE_TMA, UPCAST, B_BF16,
+                                        BN, BK)
+            acc_up = tl.dot(a_even, tl.trans(up_even), acc_up)
+            acc_up = tl.dot(a_odd, tl.trans(up_odd), acc_up)
 
     # --- epilogue, FP32: the two tensor scales (padding tiles have no K loop and may hold any amax)
     factor = (tl.load(amax_a_ptr + group) * DEQUANT_FACTOR) * (tl.load(amax_b_ptr + expert) * DEQUANT_FACTOR)
@@ -190,7 +202,7 @@ def _operand_sources(a: torch.Tensor, b: torch.Tensor, block_n: int, use_tma: bo
 
     num_rows, k_bytes = a.shape
     b_width = b.shape[2]
-    b_box = BLOCK_K if b.dtype == torch.bfloat16 else BLOCK_K // 2
+    b_box = BLOCK_K // 2  # 64 code bytes (one K step), or 64 BF16 values (one half of a K step)
     return (TensorDescriptor(a, [num_rows, k_bytes], [a.stride(0), 1], [TILE, BLOCK_K // 2]),
             TensorDescriptor(b, [b.shape[0] * b.shape[1], b_width], [b_width, 1], [block_n, b_box]))
 

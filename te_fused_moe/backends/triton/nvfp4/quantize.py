@@ -41,7 +41,7 @@ from ..fp8_block.codec import nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
 from ..schedule import build_schedule, max_m_tiles, tile_rows, total_tiles
-from .codec import block_scale, e2m1_encode, e2m1_encode_stochastic, e2m1_expand, pack_pairs, tensor_scales
+from .codec import block_scale, e2m1_encode, e2m1_encode_stochastic, e2m1_expand_halves, pack_pairs, tensor_scales
 
 NV = 16  # elements per scale block
 TILE = 128  # schedule M tile
@@ -84,8 +84,9 @@ class NVWeight:
     data_t: Optional[torch.Tensor]  # [E, K, N/2] uint8
     scale_t: Optional[torch.Tensor]  # [E, K, N/16] uint8
     amax: torch.Tensor  # [E] float32
-    values: Optional[torch.Tensor] = None  # [E, N, K] bf16: codes x block scales (no tensor scale)
-    values_t: Optional[torch.Tensor] = None  # [E, K, N] bf16
+    # bf16 codes x block scales (no tensor scale), each 128-wide K (N) block stored even elements first
+    values: Optional[torch.Tensor] = None  # [E, N, K]
+    values_t: Optional[torch.Tensor] = None  # [E, K, N]
 
     @property
     def nbytes(self) -> int:
@@ -96,16 +97,21 @@ class NVWeight:
 # ----------------------------------------------------------------------------- device functions
 
 @triton.jit
-def rht_along_rows(v, BM: tl.constexpr, BK: tl.constexpr, NEG_MASK: tl.constexpr):
+def rht_along_rows(v, BM: tl.constexpr, BK: tl.constexpr, NEG_MASK: tl.constexpr, TF32_EXACT: tl.constexpr):
     """Each run of 16 rows of FP32 ``v`` [BM, BK] times TE's RHT matrix ``M = diag(s) H16 / 4``
-    (``out[16 g + j] = sum_i M[i, j] v[16 g + i]``), in FP32 (IEEE products, FP32 sums)."""
+    (``out[16 g + j] = sum_i M[i, j] v[16 g + i]``): exact products (entries +-1/4), FP32 sums.
+    ``TF32_EXACT``: ``v`` holds BF16 / FP16 values, which TF32 represents exactly, so the tensor
+    cores' TF32 path computes the same products; FP32 inputs take the IEEE (FMA) path."""
     i = tl.arange(0, 16)[None, :]
     j = tl.arange(0, 16)[:, None]
     x = i & j
     parity = (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3)) & 1
     m_t = tl.where((parity ^ ((NEG_MASK >> i) & 1)) == 1, -0.25, 0.25)  # [j, i] = M[i, j]
     lhs = tl.broadcast_to(m_t[None, :, :], (BM // 16, 16, 16))
-    out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="ieee")
+    if TF32_EXACT:
+        out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="tf32")
+    else:
+        out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="ieee")
     return tl.reshape(out, (BM, BK))
 
 
@@ -152,7 +158,7 @@ def quantize_along_rows(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexp
 @triton.jit
 def group_amax_kernel(
     x_ptr, stride_xm, amax_ptr, amax_t_ptr, sched_ptr, K, NUM_GROUPS,
-    RHT_AMAX: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    RHT_AMAX: tl.constexpr, NEG_MASK: tl.constexpr, TF32_EXACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """Per (schedule tile, ``BK`` columns): the tile's NaN-ignoring max |x| into its group's ``amax``
     and, with ``RHT_AMAX``, that of its Hadamard transform along the tokens into ``amax_t``."""
@@ -167,7 +173,7 @@ def group_amax_kernel(
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.atomic_max(amax_ptr + group, tl.max(tl.max(nan_free_abs(x), axis=1), axis=0))
     if RHT_AMAX:
-        t = rht_along_rows(x, BM, BK, NEG_MASK)
+        t = rht_along_rows(x, BM, BK, NEG_MASK, TF32_EXACT)
         tl.atomic_max(amax_t_ptr + group, tl.max(tl.max(nan_free_abs(t), axis=1), axis=0))
 
 
@@ -180,7 +186,8 @@ def quantize_tiles_kernel(
     seed_ptr, bits_ptr, stride_bits, bits_t_ptr, stride_bits_t,
     sched_ptr, K, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr, RHT: tl.constexpr,
-    STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, TF32_EXACT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, ``BK`` columns): 1x16 rowwise blocks and, with ``COLWISE``,
     16-token blocks inside the tile (Hadamard-transformed with ``RHT``), each with its group's tensor
@@ -215,7 +222,7 @@ def quantize_tiles_kernel(
         tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
     if COLWISE:
         if RHT:
-            x = rht_along_rows(x, BM, BK, NEG_MASK)  # rows past the group's end are zeros: so is their padding
+            x = rht_along_rows(x, BM, BK, NEG_MASK, TF32_EXACT)  # rows past the group's end are zeros: so is their padding
         bits_t = tl.zeros((BM, BK), tl.int32)
         if STOCHASTIC:
             if GIVEN_BITS:
@@ -255,9 +262,12 @@ def quantize_weight_kernel(
     codes, sc = quantize_along_cols(w, s_enc, s_dec, no_bits, BLK, BLK, False, BLOCK_2D)
     packed = pack_pairs(codes, BLK, BLK)
     tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :], packed)
-    if VALUES:
-        tl.store(v_ptr + e.to(tl.int64) * N * K + rows[:, None] * K + cols[None, :],
-                 e2m1_expand(packed, sc, BLK, BLK, UPCAST).to(tl.bfloat16))
+    half = tl.arange(0, BLK // 2)[None, :]
+    if VALUES:  # the K block's even elements, then its odd ones: the GEMMs' split dots read them so
+        even, odd = e2m1_expand_halves(packed, sc, BLK, BLK, UPCAST)
+        v = v_ptr + e.to(tl.int64) * N * K + rows[:, None] * K + pid_k * BLK + half
+        tl.store(v, even.to(tl.bfloat16))
+        tl.store(v + BLK // 2, odd.to(tl.bfloat16))
     kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
     tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
     if TRANSPOSED:
@@ -274,8 +284,10 @@ def quantize_weight_kernel(
         nb = pid_n * (BLK // 16) + tl.arange(0, BLK // 16)
         tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
         if VALUES:
-            tl.store(vt_ptr + e.to(tl.int64) * N * K + cols[:, None] * N + rows[None, :],
-                     e2m1_expand(packed_t, tl.trans(sc_t), BLK, BLK, UPCAST).to(tl.bfloat16))
+            even_t, odd_t = e2m1_expand_halves(packed_t, tl.trans(sc_t), BLK, BLK, UPCAST)
+            vt = vt_ptr + e.to(tl.int64) * N * K + cols[:, None] * N + pid_n * BLK + half
+            tl.store(vt, even_t.to(tl.bfloat16))
+            tl.store(vt + BLK // 2, odd_t.to(tl.bfloat16))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -335,8 +347,10 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     if colwise and not spec.rht:
         q.amax_t = amax  # the same values quantized along the other axis: the same tensor amax
     rht_amax = colwise and spec.rht
+    tf32_exact = x.dtype in (torch.bfloat16, torch.float16)
     group_amax_kernel[grid](x, x.stride(0), amax, q.amax_t if rht_amax else amax, schedule, k, num_experts + 1,
-                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps)
+                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, TF32_EXACT=tf32_exact, BM=TILE, BK=QUANT_COLS,
+                            num_warps=warps)
     dummy = x.view(torch.uint8) if x.is_contiguous() else amax
     given = random_bits is not None
     seed = new_seed(x.device) if spec.stochastic and not given else amax
@@ -351,7 +365,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         seed, bits, bits.stride(0) if given else 0, bits_t, bits_t.stride(0) if given else 0,
         schedule, k, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, RHT=spec.rht, STOCHASTIC=spec.stochastic,
-        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps,
+        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, TF32_EXACT=tf32_exact, BM=TILE, BK=QUANT_COLS, num_warps=warps,
     )
     return q
 
@@ -364,7 +378,8 @@ def weight_amax(w: torch.Tensor) -> torch.Tensor:
     amax = torch.zeros(e + 1, device=w.device, dtype=torch.float32)
     group_amax_kernel[(max_m_tiles(e * n, e, TILE), k // QUANT_COLS)](
         rows, rows.stride(0), amax, amax, schedule, k, e + 1,
-        RHT_AMAX=False, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=4 if interpreting() else 8)
+        RHT_AMAX=False, NEG_MASK=RHT_NEG_MASK, TF32_EXACT=True, BM=TILE, BK=QUANT_COLS,
+        num_warps=4 if interpreting() else 8)
     return amax[:e]
 
 

@@ -6,7 +6,8 @@ so the product of two transformed operands is the product of the originals; layo
 scale rows ``[8 t, 8 t + 8)``).
 
 Each step reads one tile slot (128 tokens: 64 bytes per row) of both operands, expands them
-exactly to BF16 with their E4M3 block scales and runs one BF16 wgmma into the FP32 accumulator;
+exactly to BF16 with their E4M3 block scales, as even and odd tokens (``codec.e2m1_expand_halves``),
+and runs one BF16 wgmma per half into the FP32 accumulator;
 the two per-expert tensor factors ``amax_t / 2688`` multiply the result. Slots hold zeros past the
 expert's rows (and past its last 16-token block), so no masking is needed. Experts with no tokens
 store zeros.
@@ -25,7 +26,7 @@ from ..act_math import to_output
 from ..grouped_gemm import interpreting
 from ..schedule import swizzle
 from . import gemm as nv_gemm
-from .codec import DEQUANT_FACTOR, e2m1_expand
+from .codec import DEQUANT_FACTOR, e2m1_expand_halves
 from .quantize import TILE, NVRows
 
 
@@ -82,7 +83,10 @@ def nv_wgrad_kernel(
         sblk = slot * (BT // 16) + blk
         gs = tl.load(gs_ptr + sblk[None, :] * stride_gsb + n_in[:, None])
         xs = tl.load(xs_ptr + sblk[None, :] * stride_xsb + k_in[:, None])
-        acc = tl.dot(e2m1_expand(g, gs, BN, BT, UPCAST), tl.trans(e2m1_expand(x, xs, BK, BT, UPCAST)), acc)
+        g_even, g_odd = e2m1_expand_halves(g, gs, BN, BT, UPCAST)
+        x_even, x_odd = e2m1_expand_halves(x, xs, BK, BT, UPCAST)
+        acc = tl.dot(g_even, tl.trans(x_even), acc)
+        acc = tl.dot(g_odd, tl.trans(x_odd), acc)
 
     factor = (tl.load(amax_g_ptr + expert) * DEQUANT_FACTOR) * (tl.load(amax_x_ptr + expert) * DEQUANT_FACTOR)
     acc = acc * tl.where(row_end > row_start, factor, 0.0)
