@@ -438,10 +438,11 @@ def sm90_build_report() -> dict:
                                           bits_ptr="*u8", bits_t_ptr="*u8", sched_ptr="*i32"),
             dict(ROWWISE=True, COLWISE=True, COLSUM=True, RHT=True, STOCHASTIC=sr, GIVEN_BITS=False,
                  NEG_MASK=Q.RHT_NEG_MASK, TF32_EXACT=not sr, BM=128, BK=Q.QUANT_COLS))
-    report["quantize_weight_2d_values"] = build(
-        Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", s_ptr="*u8", qt_ptr="*u8",
-                                       st_ptr="*u8", v_ptr="*bf16", vt_ptr="*bf16"),
-        dict(TRANSPOSED=True, BLOCK_2D=True, VALUES=True, UPCAST=False, BLK=128))
+    report["quantize_weight_2d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
+                                                                        s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
+                                         dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128))
+    report["expand_weight"] = build(Q.expand_weight_kernel, dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16"),
+                                    dict(UPCAST=False, BLK=128))
     return report
 
 

@@ -39,7 +39,7 @@ def e4m3_to_float(code):
     m = c & 7
     significand = tl.where(e == 0, m, m + 8).to(tl.float32)
     pow2 = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 10), e >= 1
-    return significand * pow2
+    return tl.where((c & 0x80) != 0, -significand, significand) * pow2
 
 
 @triton.jit
@@ -94,19 +94,15 @@ def pack_pairs(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def e2m1_values(c, UPCAST: tl.constexpr):
-    """E2M1 codes ``c`` (uint8 nibbles) as BF16 (FP32 under the interpreter), built from bits: a
-    magnitude code m >= 2 is the BF16 pattern ``(m + 252) << 6`` (1 = 0x3F80 ... 6 = 0x40C0), m = 1
-    (0.5) is ``252 << 6``, m = 0 is zero."""
-    if UPCAST:
-        c32 = c.to(tl.uint32)
-        m = c32 & 7
-        bits = tl.where(m == 0, 0, (tl.where(m == 1, 252, m + 252)) << 22) | ((c32 & 8) << 28)
-        return bits.to(tl.float32, bitcast=True)
+    """E2M1 codes ``c`` (uint8 nibbles) as FP32 values / 64, through the hardware FP8 conversion:
+    the code's magnitude bits (e1 e0 m) placed at bits 4..2 of a byte make an E4M3 number whose
+    value is exactly the E2M1 value times 2^-6 (exponent e - 7, or the subnormal m * 2^-7 for
+    e = 0), and bit 3 of the code moves to the sign bit."""
+    byte = ((c & 7) << 2) | ((c & 8) << 4)
+    if UPCAST:  # the interpreter: the same number from its bits
+        return e4m3_to_float(byte)
     else:
-        c16 = c.to(tl.uint16)
-        m = c16 & 7
-        bits = tl.where(m == 0, 0, (tl.where(m == 1, 252, m + 252)) << 6) | ((c16 & 8) << 12)
-        return bits.to(tl.bfloat16, bitcast=True)
+        return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -120,9 +116,10 @@ def e2m1_expand_halves(packed, scale_codes, ROWS: tl.constexpr, COLS: tl.constex
     half with both operands split alike (interleaving in registers is a layout shuffle through shared
     memory that made the K loops 2-4x slower on the H200, run 14). Byte j holds elements 2j, 2j + 1,
     both in block j // 8."""
-    scale = e4m3_to_float(scale_codes)
-    if not UPCAST:
-        scale = scale.to(tl.bfloat16)  # exact: 4 significant bits
-    even = tl.reshape(e2m1_values(packed & 0xF, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
-    odd = tl.reshape(e2m1_values(packed >> 4, UPCAST), (ROWS, COLS // 16, 8)) * scale[:, :, None]
-    return tl.reshape(even, (ROWS, COLS // 2)), tl.reshape(odd, (ROWS, COLS // 2))
+    scale = (e4m3_to_float(scale_codes) * 64.0)[:, :, None]  # x 64 undoes e2m1_values' 2^-6
+    even = tl.reshape(tl.reshape(e2m1_values(packed & 0xF, UPCAST), (ROWS, COLS // 16, 8)) * scale, (ROWS, COLS // 2))
+    odd = tl.reshape(tl.reshape(e2m1_values(packed >> 4, UPCAST), (ROWS, COLS // 16, 8)) * scale, (ROWS, COLS // 2))
+    if UPCAST:
+        return even, odd
+    else:
+        return even.to(tl.bfloat16), odd.to(tl.bfloat16)  # exact: at most 6 significant bits

@@ -66,7 +66,7 @@ def default_config(kind: str) -> NVGemmConfig:
         return NVGemmConfig(block_n=128, num_warps=8, num_stages=3)
     if kind == "dact":
         return NVGemmConfig(block_n=64, num_warps=8, num_stages=4)
-    return NVGemmConfig(block_n=64, num_warps=4, num_stages=4)
+    return NVGemmConfig(block_n=64, num_warps=8, num_stages=4)
 
 
 @triton.jit

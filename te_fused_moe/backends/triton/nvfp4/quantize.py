@@ -243,9 +243,8 @@ def quantize_weight_kernel(
     w_ptr, stride_we, stride_wn, amax_ptr,
     q_ptr, s_ptr, stride_se, stride_sk,
     qt_ptr, st_ptr, stride_ste, stride_stn,
-    v_ptr, vt_ptr,
     N, K,
-    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, VALUES: tl.constexpr, UPCAST: tl.constexpr, BLK: tl.constexpr,
+    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, BLK: tl.constexpr,
 ):
     """One BLK x BLK tile of ``w[e]`` [N, K] with ``w[e]``'s tensor scale: ``q[e]`` [N, K/2] (1x16
     along K, or 16x16 tiles; scales at ``s[e, k // 16, n]``) and ``qt[e]`` [K, N/2] (along N; with
@@ -260,14 +259,8 @@ def quantize_weight_kernel(
     no_bits = tl.zeros((BLK, BLK), tl.int32)
     out = e.to(tl.int64) * N * (K // 2)
     codes, sc = quantize_along_cols(w, s_enc, s_dec, no_bits, BLK, BLK, False, BLOCK_2D)
-    packed = pack_pairs(codes, BLK, BLK)
-    tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :], packed)
-    half = tl.arange(0, BLK // 2)[None, :]
-    if VALUES:  # the K block's even elements, then its odd ones: the GEMMs' split dots read them so
-        even, odd = e2m1_expand_halves(packed, sc, BLK, BLK, UPCAST)
-        v = v_ptr + e.to(tl.int64) * N * K + rows[:, None] * K + pid_k * BLK + half
-        tl.store(v, even.to(tl.bfloat16))
-        tl.store(v + BLK // 2, odd.to(tl.bfloat16))
+    tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
+             pack_pairs(codes, BLK, BLK))
     kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
     tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
     if TRANSPOSED:
@@ -278,16 +271,29 @@ def quantize_weight_kernel(
                               (BLK // 16, BLK))  # [n tile, k]: each k of a tile repeats its scale
         else:
             codes_t, sc_t = quantize_along_rows(w, s_enc, s_dec, no_bits, BLK, BLK, False)
-        packed_t = pack_pairs(tl.trans(codes_t), BLK, BLK)
         tl.store(qt_ptr + out + cols[:, None] * (N // 2) + (pid_n * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
-                 packed_t)
+                 pack_pairs(tl.trans(codes_t), BLK, BLK))
         nb = pid_n * (BLK // 16) + tl.arange(0, BLK // 16)
         tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
-        if VALUES:
-            even_t, odd_t = e2m1_expand_halves(packed_t, tl.trans(sc_t), BLK, BLK, UPCAST)
-            vt = vt_ptr + e.to(tl.int64) * N * K + cols[:, None] * N + pid_n * BLK + half
-            tl.store(vt, even_t.to(tl.bfloat16))
-            tl.store(vt + BLK // 2, odd_t.to(tl.bfloat16))
+
+
+@triton.jit
+def expand_weight_kernel(q_ptr, s_ptr, stride_se, stride_sn, stride_sk, v_ptr, N, K, UPCAST: tl.constexpr,
+                         BLK: tl.constexpr):
+    """One BLK x BLK tile of packed weights ``q[e]`` [N, K/2] (scales ``s[e]`` [N, K/16], any strides)
+    as exact BF16 values ``v[e]`` [N, K], each BLK-wide K block stored even elements first (the
+    order of the GEMMs' split dots)."""
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * BLK + tl.arange(0, BLK)
+    pid_k = tl.program_id(2)
+    half = tl.arange(0, BLK // 2)[None, :]
+    packed = tl.load(q_ptr + e.to(tl.int64) * N * (K // 2) + rows[:, None] * (K // 2) + pid_k * (BLK // 2) + half)
+    kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
+    sc = tl.load(s_ptr + e * stride_se + rows[:, None] * stride_sn + kb[None, :] * stride_sk)
+    even, odd = e2m1_expand_halves(packed, sc, BLK, BLK, UPCAST)
+    v = v_ptr + e.to(tl.int64) * N * K + rows[:, None] * K + pid_k * BLK + half
+    tl.store(v, even.to(tl.bfloat16))
+    tl.store(v + BLK // 2, odd.to(tl.bfloat16))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -403,11 +409,14 @@ def quantize_weight(w: torch.Tensor, spec: NVSpec, *, transposed: bool = True, a
             data, scale, scale.stride(0), scale.stride(2),
             data_t if transposed else data, scale_t if transposed else scale,
             scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0,
-            values if values is not None else data, values_t if values_t is not None else data,
-            n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, VALUES=spec.bf16_values, UPCAST=interpreting(),
-            BLK=TILE,
+            n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, BLK=TILE,
             num_warps=4 if interpreting() else 8,
         )
+        for q, s, v, rows, width in ((data, scale, values, n, k), (data_t, scale_t, values_t, k, n)):
+            if v is not None:
+                expand_weight_kernel[(e, rows // TILE, width // TILE)](
+                    q, s, s.stride(0), s.stride(1), s.stride(2), v, rows, width, UPCAST=interpreting(), BLK=TILE,
+                    num_warps=4 if interpreting() else 8)
     return NVWeight(data, scale, data_t, scale_t, amax, values, values_t)
 
 
