@@ -430,14 +430,17 @@ def sm90_build_report() -> dict:
                             wc.num_warps, wc.num_stages)
     report["amax_rht"] = build(Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32",
                                                          sched_ptr="*i32"),
-                               dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, TF32_EXACT=True, BM=128, BK=Q.QUANT_COLS))
+                               dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
     for sr in (False, True):
         report[f"quantize_rht_sr{int(sr)}"] = build(
             Q.quantize_tiles_kernel, dict(x_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", amax_ptr="*fp32", qt_ptr="*u8",
                                           qts_ptr="*u8", amax_t_ptr="*fp32", colsum_ptr="*fp32", seed_ptr="*i32",
                                           bits_ptr="*u8", bits_t_ptr="*u8", sched_ptr="*i32"),
             dict(ROWWISE=True, COLWISE=True, COLSUM=True, RHT=True, STOCHASTIC=sr, GIVEN_BITS=False,
-                 NEG_MASK=Q.RHT_NEG_MASK, TF32_EXACT=not sr, BM=128, BK=Q.QUANT_COLS))
+                 NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
+    report["quantize_weight_1d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
+                                                                        s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
+                                         dict(TRANSPOSED=True, BLOCK_2D=False, BLK=128))
     report["quantize_weight_2d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
                                                                         s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
                                          dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128))

@@ -40,10 +40,13 @@ def test_codec_bit_exact_on_gpu():
 
 
 def test_quantize_kernels_bit_exact_on_gpu():
-    out = checks.check_quantize_kernels("cuda")
-    print("NVFP4_QUANTIZE", json.dumps(out))
-    for key, bad in out.items():
-        assert all(v == 0 for v in bad.values()), (key, bad)
+    # three times: an earlier build of these kernels (run 14) gave codes that changed from one
+    # build to the next, a sign of a layout miscompile rather than of the rules
+    for attempt in range(3):
+        out = checks.check_quantize_kernels("cuda")
+        print("NVFP4_QUANTIZE", attempt, json.dumps(out))
+        for key, bad in out.items():
+            assert all(v == 0 for v in bad.values()), (attempt, key, bad)
 
 
 def test_stochastic_rounding_unbiased_on_gpu():

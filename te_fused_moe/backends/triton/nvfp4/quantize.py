@@ -97,21 +97,17 @@ class NVWeight:
 # ----------------------------------------------------------------------------- device functions
 
 @triton.jit
-def rht_along_rows(v, BM: tl.constexpr, BK: tl.constexpr, NEG_MASK: tl.constexpr, TF32_EXACT: tl.constexpr):
+def rht_along_rows(v, BM: tl.constexpr, BK: tl.constexpr, NEG_MASK: tl.constexpr):
     """Each run of 16 rows of FP32 ``v`` [BM, BK] times TE's RHT matrix ``M = diag(s) H16 / 4``
-    (``out[16 g + j] = sum_i M[i, j] v[16 g + i]``): exact products (entries +-1/4), FP32 sums.
-    ``TF32_EXACT``: ``v`` holds BF16 / FP16 values, which TF32 represents exactly, so the tensor
-    cores' TF32 path computes the same products; FP32 inputs take the IEEE (FMA) path."""
+    (``out[16 g + j] = sum_i M[i, j] v[16 g + i]``): exact products (entries +-1/4), FP32 sums (the
+    IEEE path; TF32 tensor cores gave codes that differed from the reference on the H200, run 14)."""
     i = tl.arange(0, 16)[None, :]
     j = tl.arange(0, 16)[:, None]
     x = i & j
     parity = (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3)) & 1
     m_t = tl.where((parity ^ ((NEG_MASK >> i) & 1)) == 1, -0.25, 0.25)  # [j, i] = M[i, j]
     lhs = tl.broadcast_to(m_t[None, :, :], (BM // 16, 16, 16))
-    if TF32_EXACT:
-        out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="tf32")
-    else:
-        out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="ieee")
+    out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="ieee")
     return tl.reshape(out, (BM, BK))
 
 
@@ -130,27 +126,24 @@ def encode_values(scaled, bits, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def quantize_along_cols(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexpr, STOCHASTIC: tl.constexpr,
-                        BLOCK_2D: tl.constexpr):
-    """1x16 blocks of FP32 ``v`` [BM, BK] along its columns (``BLOCK_2D``: 16x16 tiles, every row of
-    a tile sharing its scale): (codes [BM, BK] uint8, scale codes [BM, BK/16] uint8)."""
+def quantize_along_cols(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """1x16 blocks of FP32 ``v`` [BM, BK] along its columns: (codes [BM, BK] uint8, scale codes
+    [BM, BK/16] uint8). Columnwise copies transpose the FP32 tile first and come through here too
+    (one code path for every copy: no transposes of packed or uint8 tiles)."""
     blocks = tl.reshape(v, (BM, BK // 16, 16))
-    block_amax = tl.max(nan_free_abs(blocks), axis=2)
-    if BLOCK_2D:
-        tile_amax = tl.max(tl.reshape(block_amax, (BM // 16, 16, BK // 16)), axis=1)
-        block_amax = tl.reshape(tl.broadcast_to(tile_amax[:, None, :], (BM // 16, 16, BK // 16)), (BM, BK // 16))
-    code, r = block_scale(block_amax, s_enc, s_dec)
+    code, r = block_scale(tl.max(nan_free_abs(blocks), axis=2), s_enc, s_dec)
     scaled = tl.reshape(blocks * r[:, :, None], (BM, BK))
     return encode_values(scaled, bits, STOCHASTIC), code
 
 
 @triton.jit
-def quantize_along_rows(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """16x1 blocks of FP32 ``v`` [BM, BK] along its rows: (codes [BM, BK] uint8, scale codes [BM/16, BK])."""
-    blocks = tl.reshape(v, (BM // 16, 16, BK))
-    code, r = block_scale(tl.max(nan_free_abs(blocks), axis=1), s_enc, s_dec)
-    scaled = tl.reshape(blocks * r[:, None, :], (BM, BK))
-    return encode_values(scaled, bits, STOCHASTIC), code
+def quantize_tiles_2d(v, s_enc, s_dec, BM: tl.constexpr, BK: tl.constexpr):
+    """16x16 tiles of FP32 ``v`` [BM, BK] (weights): (codes [BM, BK] uint8, one scale code per tile
+    [BM/16, BK/16]). Kept in 4-D ([row tile, row, column tile, column]) until the codes."""
+    tiles = tl.reshape(v, (BM // 16, 16, BK // 16, 16))
+    code, r = block_scale(tl.max(tl.max(nan_free_abs(tiles), axis=3), axis=1), s_enc, s_dec)
+    scaled = tl.reshape(tiles * r[:, None, :, None], (BM, BK))
+    return e2m1_encode(scaled), code
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -158,7 +151,7 @@ def quantize_along_rows(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexp
 @triton.jit
 def group_amax_kernel(
     x_ptr, stride_xm, amax_ptr, amax_t_ptr, sched_ptr, K, NUM_GROUPS,
-    RHT_AMAX: tl.constexpr, NEG_MASK: tl.constexpr, TF32_EXACT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    RHT_AMAX: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """Per (schedule tile, ``BK`` columns): the tile's NaN-ignoring max |x| into its group's ``amax``
     and, with ``RHT_AMAX``, that of its Hadamard transform along the tokens into ``amax_t``."""
@@ -173,7 +166,7 @@ def group_amax_kernel(
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.atomic_max(amax_ptr + group, tl.max(tl.max(nan_free_abs(x), axis=1), axis=0))
     if RHT_AMAX:
-        t = rht_along_rows(x, BM, BK, NEG_MASK, TF32_EXACT)
+        t = rht_along_rows(x, BM, BK, NEG_MASK)
         tl.atomic_max(amax_t_ptr + group, tl.max(tl.max(nan_free_abs(t), axis=1), axis=0))
 
 
@@ -186,8 +179,7 @@ def quantize_tiles_kernel(
     seed_ptr, bits_ptr, stride_bits, bits_t_ptr, stride_bits_t,
     sched_ptr, K, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr, RHT: tl.constexpr,
-    STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, TF32_EXACT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, ``BK`` columns): 1x16 rowwise blocks and, with ``COLWISE``,
     16-token blocks inside the tile (Hadamard-transformed with ``RHT``), each with its group's tensor
@@ -214,7 +206,7 @@ def quantize_tiles_kernel(
             else:
                 bits = random_bytes(tl.load(seed_ptr), (rows[:, None] * K + cols[None, :]).to(tl.uint32))
         s_enc, s_dec = tensor_scales(tl.load(amax_ptr + group))
-        codes, sc = quantize_along_cols(x, s_enc, s_dec, bits, BM, BK, STOCHASTIC, False)
+        codes, sc = quantize_along_cols(x, s_enc, s_dec, bits, BM, BK, STOCHASTIC)
         packed_cols = pid_k * (BK // 2) + tl.arange(0, BK // 2)
         tl.store(q_ptr + rows64[:, None] * stride_qm + packed_cols[None, :], pack_pairs(codes, BM, BK),
                  mask=row_ok[:, None])
@@ -222,20 +214,20 @@ def quantize_tiles_kernel(
         tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
     if COLWISE:
         if RHT:
-            x = rht_along_rows(x, BM, BK, NEG_MASK, TF32_EXACT)  # rows past the group's end are zeros: so is their padding
-        bits_t = tl.zeros((BM, BK), tl.int32)
+            x = rht_along_rows(x, BM, BK, NEG_MASK)  # rows past the group's end are zeros: so is their padding
+        bits_t = tl.zeros((BK, BM), tl.int32)
         if STOCHASTIC:
             if GIVEN_BITS:
-                bits_t = tl.load(bits_t_ptr + slot.to(tl.int64)[:, None] * stride_bits_t + cols[None, :]).to(tl.int32)
+                bits_t = tl.load(bits_t_ptr + slot.to(tl.int64)[None, :] * stride_bits_t + cols[:, None]).to(tl.int32)
             else:
-                bits_t = random_bytes(tl.load(seed_ptr + 1), (slot[:, None] * K + cols[None, :]).to(tl.uint32))
+                bits_t = random_bytes(tl.load(seed_ptr + 1), (slot[None, :] * K + cols[:, None]).to(tl.uint32))
         s_enc_t, s_dec_t = tensor_scales(tl.load(amax_t_ptr + group))
-        codes_t, sc_t = quantize_along_rows(x, s_enc_t, s_dec_t, bits_t, BM, BK, STOCHASTIC)
+        # the transposed FP32 tile [columns, tokens], quantized along its rows' 16-token runs
+        codes_t, sc_t = quantize_along_cols(tl.trans(x), s_enc_t, s_dec_t, bits_t, BK, BM, STOCHASTIC)
         packed_slot = pid_m * (BM // 2) + tl.arange(0, BM // 2)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + packed_slot[None, :],
-                 pack_pairs(tl.trans(codes_t), BK, BM))
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + packed_slot[None, :], pack_pairs(codes_t, BK, BM))
         tb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
-        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_t)
+        tl.store(qts_ptr + tb[None, :] * stride_qtsb + cols[:, None], sc_t)
 
 
 @triton.jit
@@ -258,23 +250,33 @@ def quantize_weight_kernel(
     s_enc, s_dec = tensor_scales(tl.load(amax_ptr + e))
     no_bits = tl.zeros((BLK, BLK), tl.int32)
     out = e.to(tl.int64) * N * (K // 2)
-    codes, sc = quantize_along_cols(w, s_enc, s_dec, no_bits, BLK, BLK, False, BLOCK_2D)
+    kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
+    nb = pid_n * (BLK // 16) + tl.arange(0, BLK // 16)
+    if BLOCK_2D:
+        # one code per 16x16 tile, the same for both copies; every row of a tile repeats it (3-D
+        # stores: [row tile, row, column tile])
+        codes, tile_sc = quantize_tiles_2d(w, s_enc, s_dec, BLK, BLK)
+        i16 = tl.arange(0, 16)[None, :, None]
+        tile_rows16 = pid_n * BLK + tl.arange(0, BLK // 16)[:, None, None] * 16 + i16  # [nt, 16, 1]
+        tl.store(s_ptr + e * stride_se + kb[None, None, :] * stride_sk + tile_rows16, tile_sc[:, None, :])
+        if TRANSPOSED:
+            tile_cols16 = pid_k * BLK + tl.arange(0, BLK // 16)[None, None, :] * 16 + tl.arange(0, 16)[None, :, None]
+            tl.store(st_ptr + e * stride_ste + nb[:, None, None] * stride_stn + tile_cols16, tile_sc[:, None, :])
+    else:
+        codes, sc = quantize_along_cols(w, s_enc, s_dec, no_bits, BLK, BLK, False)
+        tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
     tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
              pack_pairs(codes, BLK, BLK))
-    kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
-    tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
     if TRANSPOSED:
-        if BLOCK_2D:  # the tile's codes and scales, transposed
-            codes_t = codes
-            tile_scale = tl.max(tl.reshape(sc, (BLK // 16, 16, BLK // 16)), axis=1)  # [n tile, k tile]
-            sc_t = tl.reshape(tl.broadcast_to(tile_scale[:, :, None], (BLK // 16, BLK // 16, 16)),
-                              (BLK // 16, BLK))  # [n tile, k]: each k of a tile repeats its scale
+        if BLOCK_2D:
+            # 16x16 tiles are symmetric under transposition: quantizing the transposed tile gives the
+            # transposed codes (same tile amax, same scale); done on the FP32 tile, like every copy
+            codes_t, _ = quantize_tiles_2d(tl.trans(w), s_enc, s_dec, BLK, BLK)
         else:
-            codes_t, sc_t = quantize_along_rows(w, s_enc, s_dec, no_bits, BLK, BLK, False)
+            codes_t, sc_t = quantize_along_cols(tl.trans(w), s_enc, s_dec, no_bits, BLK, BLK, False)
+            tl.store(st_ptr + e * stride_ste + nb[None, :] * stride_stn + cols[:, None], sc_t)
         tl.store(qt_ptr + out + cols[:, None] * (N // 2) + (pid_n * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
-                 pack_pairs(tl.trans(codes_t), BLK, BLK))
-        nb = pid_n * (BLK // 16) + tl.arange(0, BLK // 16)
-        tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
+                 pack_pairs(codes_t, BLK, BLK))
 
 
 @triton.jit
@@ -353,10 +355,8 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     if colwise and not spec.rht:
         q.amax_t = amax  # the same values quantized along the other axis: the same tensor amax
     rht_amax = colwise and spec.rht
-    tf32_exact = x.dtype in (torch.bfloat16, torch.float16)
     group_amax_kernel[grid](x, x.stride(0), amax, q.amax_t if rht_amax else amax, schedule, k, num_experts + 1,
-                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, TF32_EXACT=tf32_exact, BM=TILE, BK=QUANT_COLS,
-                            num_warps=warps)
+                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps)
     dummy = x.view(torch.uint8) if x.is_contiguous() else amax
     given = random_bits is not None
     seed = new_seed(x.device) if spec.stochastic and not given else amax
@@ -371,7 +371,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         seed, bits, bits.stride(0) if given else 0, bits_t, bits_t.stride(0) if given else 0,
         schedule, k, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, RHT=spec.rht, STOCHASTIC=spec.stochastic,
-        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, TF32_EXACT=tf32_exact, BM=TILE, BK=QUANT_COLS, num_warps=warps,
+        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps,
     )
     return q
 
@@ -384,8 +384,7 @@ def weight_amax(w: torch.Tensor) -> torch.Tensor:
     amax = torch.zeros(e + 1, device=w.device, dtype=torch.float32)
     group_amax_kernel[(max_m_tiles(e * n, e, TILE), k // QUANT_COLS)](
         rows, rows.stride(0), amax, amax, schedule, k, e + 1,
-        RHT_AMAX=False, NEG_MASK=RHT_NEG_MASK, TF32_EXACT=True, BM=TILE, BK=QUANT_COLS,
-        num_warps=4 if interpreting() else 8)
+        RHT_AMAX=False, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=4 if interpreting() else 8)
     return amax[:e]
 
 
