@@ -204,18 +204,8 @@ IMPLEMENTATIONS = {"bf16_unfused": bench.unfused_mlp, "bf16_fused": bench.fused_
 for _recipe in RECIPES:
     IMPLEMENTATIONS[f"{_recipe}_unfused"] = _unfused(_recipe)
     IMPLEMENTATIONS[f"{_recipe}_fused"] = _fused(_recipe)
-def _nvfp4_bf16_values(activations: bool):
-    def run(*args):
-        from .bench_nvfp4 import fused_bf16_values
-
-        return fused_bf16_values(*args, activations=activations)
-
-    return run
-
-
-# the NVFP4 fused path with the weights (and the activations) pre-expanded to exact BF16 values
-IMPLEMENTATIONS["nvfp4_fused_bf16_weights"] = _nvfp4_bf16_values(False)
-IMPLEMENTATIONS["nvfp4_fused_bf16_values"] = _nvfp4_bf16_values(True)
+IMPLEMENTATIONS["nvfp4_fused_bf16_weights"] = lambda *args: __import__(
+    "te_fused_moe.bench_nvfp4", fromlist=["fused_bf16_weights"]).fused_bf16_weights(*args)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in
 # _scaled_grouped_mm on the H200 (torch 2.11, GroupMMCommon.cuh:64, "dynamic dimension byte size ...
 # multiple of 16"), which kills the CUDA context and the whole run; the wgrad operands are now padded
@@ -230,7 +220,7 @@ def selected_implementations(recipes=tuple(RECIPES), with_scaled_grouped_mm: boo
     ``torch._scaled_grouped_mm``."""
     keep = {"bf16_unfused", "bf16_fused"} | {f"{r}_{kind}" for r in recipes for kind in ("unfused", "fused")}
     if "nvfp4" in recipes:
-        keep |= {"nvfp4_fused_bf16_weights", "nvfp4_fused_bf16_values"}
+        keep.add("nvfp4_fused_bf16_weights")
     chosen = {name: fn for name, fn in IMPLEMENTATIONS.items() if name in keep}
     if with_scaled_grouped_mm:
         chosen.update(SCALED_GROUPED_MM)

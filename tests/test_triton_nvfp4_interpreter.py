@@ -57,10 +57,8 @@ MLP_CASES = [
     ("gelu-frozen-x", 170, 128, 128, 3, "gelu", True, True, [64, 0, 96], 10, True, True, ("x", "probs"), {}),
     ("silu-allpad", 64, 128, 128, 3, "silu", True, True, [0, 0, 0], 64, True, True, (), {}),
     ("swiglu-T0", 0, 128, 128, 2, "swiglu", True, True, [0, 0], 0, True, True, (), {}),
-    # the GEMMs read BF16 expansions instead of codes: of the weights (bf16w), of every operand (bf16v)
+    # the weight cache's BF16 expansions read by the GEMMs instead of the packed weights
     ("swiglu-x16-bf16w", 300, 256, 128, 3, "swiglu", True, True, [96, 0, 160], 44, True, True, (), {}),
-    ("gptoss-x16-ptr-bf16v", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, [16, 64, 32, 112], 36, True, False, (),
-     {}),
 ]
 SR_CASE = ("swiglu-sr", 300, 256, 128, 3, "swiglu", True, True, [96, 32, 128], 44, True, True, (),
            dict(disable_stochastic_rounding=False))
@@ -160,16 +158,6 @@ def _expert_slices(counts):
         tile += -(-n // 128)
 
 
-def expanded(data, scale, axis, n):
-    """FP32 values of reference NVFP4 codes ``data`` (packed along ``axis``) times their 1x16 block
-    scales, without the tensor scale: what the BF16-values copies hold."""
-    from te_fused_moe.quantize import formats, nvfp4
-
-    values = formats.decode(nvfp4.unpack_e2m1(data, axis, n), formats.E2M1)
-    return values * formats.decode(scale.view(torch.uint8), formats.E4M3).repeat_interleave(16, axis)[
-        tuple(slice(0, s) for s in values.shape)]
-
-
 def _rows_mismatches(q, x, counts, spec, bits=None) -> dict:
     """Mismatches of quantize_rows' output ``q`` against the reference quantizer, expert by expert."""
     from te_fused_moe.quantize import hadamard, nvfp4
@@ -179,32 +167,22 @@ def _rows_mismatches(q, x, counts, spec, bits=None) -> dict:
         xe = x[r0: r0 + n].float().cpu()
         row_bits = bits[0][r0: r0 + n] if bits is not None else None
         ref = nvfp4.quantize(xe, axis=1, stochastic_rounding=spec.stochastic, random_bits=row_bits)
-        if q.values is not None:  # BF16 values instead of codes: codes x block scales, split order
-            want = expanded(ref.data, ref.scale, 1, xe.shape[1])
-            bad["data"] += int((q.values[r0: r0 + n].float().cpu() != split_order(want)).sum())
-            bad["amax"] += int(q.amax[e].cpu() != ref.global_amax)
-        elif q.data is not None:
+        if q.data is not None:
             bad["data"] += int((q.data[r0: r0 + n].cpu() != ref.data).sum())
             bad["scale"] += int((q.scale[r0: r0 + n].cpu() != ref.scale.view(torch.uint8)).sum())
             bad["amax"] += int(q.amax[e].cpu() != ref.global_amax)
-        if q.data_t is None and q.values_t is None:
+        if q.data_t is None:
             continue
         t = hadamard.apply_rht(xe, 0) if spec.rht else xe
         slots = t.shape[0] if spec.rht else -(-n // 16) * 16
         col_bits = bits[1][128 * tile: 128 * tile + t.shape[0]] if bits is not None else None
         ref_t = nvfp4.quantize(t, axis=0, stochastic_rounding=spec.stochastic, random_bits=col_bits)
-        bad["amax_t"] += int(q.amax_t[e].cpu() != ref_t.global_amax)
-        if q.values_t is not None:
-            tiles = -(-n // 128)
-            want = expanded(ref_t.data, ref_t.scale, 0, t.shape[0]).t()
-            want = torch.nn.functional.pad(want, (0, 128 * tiles - want.shape[1]))
-            bad["data_t"] += int((q.values_t[:, 128 * tile: 128 * (tile + tiles)].float().cpu() != split_order(want)).sum())
-            continue
         got = q.data_t[:, 64 * tile: 64 * tile + slots // 2].cpu()
         want = torch.nn.functional.pad(ref_t.data.t(), (0, slots // 2 - ref_t.data.shape[0]))
         bad["data_t"] += int((got != want).sum())
         got_s = q.scale_t[8 * tile: 8 * tile + -(-t.shape[0] // 16)].cpu()
         bad["scale_t"] += int((got_s != ref_t.scale.view(torch.uint8)).sum())
+        bad["amax_t"] += int(q.amax_t[e].cpu() != ref_t.global_amax)
     return bad
 
 
@@ -241,9 +219,7 @@ def check_quantize_kernels(device: str) -> dict:
             ("rht_ints_fp32", ints, NVSpec(rht=True), False),
             ("no_rht_random_nan_inf", rand, NVSpec(rht=False), False),
             ("sr_rht_given_bits", ints, NVSpec(stochastic=True, rht=True), True),
-            ("sr_no_rht_given_bits", rand.to(torch.bfloat16), NVSpec(stochastic=True, rht=False), True),
-            ("bf16_values_rht", ints.to(torch.bfloat16), NVSpec(rht=True, bf16_values=True), False),
-            ("bf16_values_sr_given_bits", rand, NVSpec(stochastic=True, rht=False, bf16_values=True), True)):
+            ("sr_no_rht_given_bits", rand.to(torch.bfloat16), NVSpec(stochastic=True, rht=False), True)):
         bits = (torch.randint(0, 256, (T, K), generator=g, dtype=torch.uint8),
                 torch.randint(0, 256, (slots, K), generator=g, dtype=torch.uint8)) if stochastic_bits else None
         xd = x.to(device)
@@ -355,13 +331,11 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=torch.bfloat16)
     recipe = NVFP4BlockScaling(**{"disable_stochastic_rounding": True, **options})
     alloc = (lambda *a, **k: poison_(torch.empty(*a, **k))) if poison else torch.empty
-    default = autograd.BF16_WEIGHT_VALUES, autograd.BF16_ACTIVATION_VALUES
-    autograd.BF16_WEIGHT_VALUES = case[0].endswith(("bf16w", "bf16v"))
-    autograd.BF16_ACTIVATION_VALUES = case[0].endswith("bf16v")
+    default, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, case[0].endswith("bf16w")
     try:
         res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
     finally:
-        autograd.BF16_WEIGHT_VALUES, autograd.BF16_ACTIVATION_VALUES = default
+        autograd.BF16_WEIGHT_VALUES = default
     res["seed"] = seed
     return res
 
@@ -428,46 +402,42 @@ def sm90_build_report() -> dict:
     ptrs = dict(as_ptr="*u8", bs_ptr="*u8", amax_a_ptr="*fp32", amax_b_ptr="*fp32", c_ptr="*bf16", h_ptr="*bf16",
                 bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32", limit="fp32")
     report = {}
-    for name, kind, gated, act, b_bf16, a_bf16 in (("fc1_swiglu", "fc1", True, "swiglu", False, False),
-                                                   ("fc1_srelu", "fc1", False, "srelu", False, False),
-                                                   ("fc2", "fc2", False, "swiglu", False, False),
-                                                   ("dact_gptoss", "dact", True, "gpt_oss_swiglu", False, False),
-                                                   ("dgrad", "dgrad", False, "swiglu", False, False),
-                                                   ("fc1_swiglu_bf16w", "fc1", True, "swiglu", True, False),
-                                                   ("dgrad_bf16w", "dgrad", False, "swiglu", True, False),
-                                                   ("fc1_swiglu_bf16v", "fc1", True, "swiglu", True, True),
-                                                   ("dact_gptoss_bf16v", "dact", True, "gpt_oss_swiglu", True, True),
-                                                   ("dgrad_bf16v", "dgrad", False, "swiglu", True, True)):
+    for name, kind, gated, act, b_bf16 in (("fc1_swiglu", "fc1", True, "swiglu", False),
+                                           ("fc1_srelu", "fc1", False, "srelu", False),
+                                           ("fc2", "fc2", False, "swiglu", False),
+                                           ("dact_gptoss", "dact", True, "gpt_oss_swiglu", False),
+                                           ("dgrad", "dgrad", False, "swiglu", False),
+                                           ("fc1_swiglu_bf16w", "fc1", True, "swiglu", True),
+                                           ("dgrad_bf16w", "dgrad", False, "swiglu", True)):
         cfg = gemm.default_config(kind)
         mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
-        box = lambda rows, bf16: f"tensordesc<{'bf16' if bf16 else 'u8'}[{rows}, {gemm.BLOCK_K // 2}]>"
-        types = dict(ptrs, a_src=box(128, a_bf16), b_src=box(cfg.block_n, b_bf16))
+        b_box = f"{'bf16' if b_bf16 else 'u8'}[{cfg.block_n}, {gemm.BLOCK_K // 2}]"
+        types = dict(ptrs, a_src=f"tensordesc<u8[128, {gemm.BLOCK_K // 2}]>", b_src=f"tensordesc<{b_box}>")
         if mode != gemm.MODE_PLAIN:
             types["c_ptr"] = "*fp32"
         consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
                       WRITE_DPROB=mode == gemm.MODE_DACT, USE_TMA=True, UPCAST=False,
-                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, A_BF16=a_bf16, B_BF16=b_bf16,
-                      BM=128, BN=cfg.block_n, BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
+                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, B_BF16=b_bf16, BM=128,
+                      BN=cfg.block_n,
+                      BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
         report[name] = build(gemm.nv_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
     wc = W.default_config()
-    for name, bf16 in (("wgrad", False), ("wgrad_bf16v", True)):
-        box = lambda rows: f"tensordesc<{'bf16' if bf16 else 'u8'}[{rows}, 64]>"
-        report[name] = build(W.nv_wgrad_kernel, dict(g_src=box(wc.block_n), x_src=box(wc.block_k), gs_ptr="*u8",
-                                                     xs_ptr="*u8", amax_g_ptr="*fp32", amax_x_ptr="*fp32",
-                                                     dw_ptr="*bf16", sched_ptr="*i32"),
-                             dict(USE_TMA=True, UPCAST=False, G_BF16=bf16, X_BF16=bf16, BN=wc.block_n, BK=wc.block_k,
-                                  BT=128, GROUP_N=wc.group_n), wc.num_warps, wc.num_stages)
+    report["wgrad"] = build(W.nv_wgrad_kernel, dict(g_src=f"tensordesc<u8[{wc.block_n}, 64]>",
+                                                    x_src=f"tensordesc<u8[{wc.block_k}, 64]>", gs_ptr="*u8",
+                                                    xs_ptr="*u8", amax_g_ptr="*fp32", amax_x_ptr="*fp32",
+                                                    dw_ptr="*bf16", sched_ptr="*i32"),
+                            dict(USE_TMA=True, UPCAST=False, BN=wc.block_n, BK=wc.block_k, BT=128, GROUP_N=wc.group_n),
+                            wc.num_warps, wc.num_stages)
     report["amax_rht"] = build(Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32",
                                                          sched_ptr="*i32"),
                                dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
-    for sr, values in ((False, False), (True, False), (True, True)):
-        out = "*bf16" if values else "*u8"
-        report[f"quantize_rht_sr{int(sr)}{'_bf16v' if values else ''}"] = build(
-            Q.quantize_tiles_kernel, dict(x_ptr="*fp32", q_ptr=out, qs_ptr="*u8", amax_ptr="*fp32", qt_ptr=out,
+    for sr in (False, True):
+        report[f"quantize_rht_sr{int(sr)}"] = build(
+            Q.quantize_tiles_kernel, dict(x_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", amax_ptr="*fp32", qt_ptr="*u8",
                                           qts_ptr="*u8", amax_t_ptr="*fp32", colsum_ptr="*fp32", seed_ptr="*i32",
                                           bits_ptr="*u8", bits_t_ptr="*u8", sched_ptr="*i32"),
             dict(ROWWISE=True, COLWISE=True, COLSUM=True, RHT=True, STOCHASTIC=sr, GIVEN_BITS=False,
-                 NEG_MASK=Q.RHT_NEG_MASK, VALUES=values, UPCAST=False, BM=128, BK=Q.QUANT_COLS))
+                 NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
     report["quantize_weight_1d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
                                                                         s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
                                          dict(TRANSPOSED=True, BLOCK_2D=False, BLK=128))
@@ -536,7 +506,7 @@ def test_codec_is_bit_exact(results):
 
 
 def test_quantize_kernels_are_bit_exact(results):
-    assert len(results["quantize"]) == 9
+    assert len(results["quantize"]) == 7
     for key, bad in results["quantize"].items():
         assert all(v == 0 for v in bad.values()), (key, bad)
 

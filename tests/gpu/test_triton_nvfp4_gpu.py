@@ -71,7 +71,6 @@ GPU_CASES = [
      dict(disable_rht=True, disable_2d_quantization=True)),
     ("swiglu-zipf-hbf16", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (), {}),
     ("gptoss-ragged-bf16w", 4096, 512, 256, 8, "gpt_oss_swiglu", True, True, "balanced", 30, True, True, (), {}),
-    ("swiglu-empty-bf16v", 4096, 512, 256, 8, "swiglu", True, True, "empty", 64, True, True, (), {}),
 ]
 
 

@@ -38,18 +38,16 @@ from .quantize import TILE, WEIGHT_CACHE, NVSpec, quantize_rows, quantize_weight
 from .wgrad import nv_grouped_wgrad
 
 
-# Where the GEMMs find each operand's values (NVSpec.bf16_values): packed codes expanded in their K
-# loops, or exact BF16 expansions written once — by the weight cache (at twice the BF16 weights'
-# bytes) and by the quantize passes of x, a, dy, dh (instead of their codes: 4x the bytes).
+# The weight cache keeps BF16 expansions of the weights (the GEMMs then expand only the activation
+# operand in their K loops) at twice the BF16 weights' bytes, or only the packed codes.
 BF16_WEIGHT_VALUES = False
-BF16_ACTIVATION_VALUES = False
 
 
 def specs_of(recipe):
     """(activations, gradients, weights) specs of an NVFP4BlockScaling recipe."""
     rht = not recipe.disable_rht
-    return (NVSpec(stochastic=False, rht=rht, bf16_values=BF16_ACTIVATION_VALUES),
-            NVSpec(stochastic=not recipe.disable_stochastic_rounding, rht=rht, bf16_values=BF16_ACTIVATION_VALUES),
+    return (NVSpec(stochastic=False, rht=rht),
+            NVSpec(stochastic=not recipe.disable_stochastic_rounding, rht=rht),
             NVSpec(stochastic=False, rht=False, block_2d=not recipe.disable_2d_quantization,
                    bf16_values=BF16_WEIGHT_VALUES))
 

@@ -123,29 +123,3 @@ def e2m1_expand_halves(packed, scale_codes, ROWS: tl.constexpr, COLS: tl.constex
         return even, odd
     else:
         return even.to(tl.bfloat16), odd.to(tl.bfloat16)  # exact: at most 6 significant bits
-
-
-@triton.jit
-def operand_halves(src, ptrs, row, kt, s_ptrs, kb, stride_sk, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-                   BF16: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
-    """A GEMM operand's K step ``kt`` as (even, odd) [ROWS, BK / 2] halves, from a TMA descriptor
-    (``src``, rows from ``row``) or pointers ``ptrs`` ([ROWS, BK / 2] at the step's start): two loads
-    of BF16 values stored even elements first in each BK block (``BF16``), or one load of packed
-    codes expanded with their scales (``s_ptrs[:, None] + kb[None, :] * stride_sk``)."""
-    if BF16:
-        if USE_TMA:
-            even = src.load([row, kt * BK])
-            odd = src.load([row, kt * BK + BK // 2])
-        else:
-            even = tl.load(ptrs + kt * BK)
-            odd = tl.load(ptrs + kt * BK + BK // 2)
-        if UPCAST:
-            return even.to(tl.float32), odd.to(tl.float32)
-        else:
-            return even, odd
-    else:
-        if USE_TMA:
-            packed = src.load([row, kt * (BK // 2)])
-        else:
-            packed = tl.load(ptrs + kt * (BK // 2))
-        return e2m1_expand_halves(packed, tl.load(s_ptrs[:, None] + kb[None, :] * stride_sk), ROWS, BK, UPCAST)

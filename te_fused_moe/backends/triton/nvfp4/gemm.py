@@ -36,7 +36,7 @@ from ..act_math import ACT_IDS, to_output
 from ..block_scaled_launch import tma_allowed
 from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
-from .codec import DEQUANT_FACTOR, operand_halves
+from .codec import DEQUANT_FACTOR, e2m1_expand_halves
 from .quantize import TILE
 
 MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
@@ -70,6 +70,31 @@ def default_config(kind: str) -> NVGemmConfig:
 
 
 @triton.jit
+def _b_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+              B_BF16: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """B's K step ``kt`` as (even, odd) [BN, BK / 2] halves: two loads of the weight cache's BF16 values
+    (stored even elements first in each BK block, ``quantize.quantize_weight``), or one load of
+    packed codes expanded here with their scales."""
+    if B_BF16:
+        if USE_TMA:
+            even = b_src.load([b_row, kt * BK])
+            odd = b_src.load([b_row, kt * BK + BK // 2])
+        else:
+            even = tl.load(b_ptrs + kt * BK)
+            odd = tl.load(b_ptrs + kt * BK + BK // 2)
+        if UPCAST:
+            return even.to(tl.float32), odd.to(tl.float32)
+        else:
+            return even, odd
+    else:
+        if USE_TMA:
+            b = b_src.load([b_row, kt * (BK // 2)])
+        else:
+            b = tl.load(b_ptrs + kt * (BK // 2))
+        return e2m1_expand_halves(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
+
+
+@triton.jit
 def nv_grouped_gemm_kernel(
     a_src, stride_am, as_ptr, stride_asm, stride_ask, amax_a_ptr,
     b_src, stride_be, stride_bn, bs_ptr, stride_bse, stride_bsn, stride_bsk, amax_b_ptr, B_ROWS, b_up_rows,
@@ -81,7 +106,7 @@ def nv_grouped_gemm_kernel(
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, B_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -99,8 +124,7 @@ def nv_grouped_gemm_kernel(
     sa_ptrs = as_ptr + rows_in * stride_asm
     sb_ptrs = bs_ptr + e64 * stride_bse + cols_in * stride_bsn
     if USE_TMA:
-        a_ptrs = 0  # unused: the descriptors address the tiles
-        b_ptrs = 0
+        b_ptrs = 0  # unused: the descriptors address the tiles
     else:
         a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
@@ -110,16 +134,18 @@ def nv_grouped_gemm_kernel(
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(0, tl.where(is_padding, 0, K // BK)):
         kb = kt * (BK // 16) + tl.arange(0, BK // 16)
-        a_even, a_odd = operand_halves(a_src, a_ptrs, a_row, kt, sa_ptrs, kb, stride_ask, USE_TMA, UPCAST, A_BF16, BM,
-                                       BK)
-        b_even, b_odd = operand_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA, UPCAST, B_BF16, BN,
-                                       BK)
+        if USE_TMA:
+            a = a_src.load([a_row, kt * (BK // 2)])
+        else:
+            a = tl.load(a_ptrs + kt * (BK // 2))
+        a_even, a_odd = e2m1_expand_halves(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
+        b_even, b_odd = _b_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA, UPCAST, B_BF16, BN, BK)
         acc = tl.dot(a_even, tl.trans(b_even), acc)
         acc = tl.dot(a_odd, tl.trans(b_odd), acc)
         if GATED and MODE == 1:
-            up_even, up_odd = operand_halves(b_src, b_ptrs + b_up_rows * stride_bn, b_row + b_up_rows, kt,
-                                             sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, USE_TMA, UPCAST, B_BF16,
-                                             BN, BK)
+            up_even, up_odd = _b_halves(b_src, b_ptrs + b_up_rows * stride_bn, b_row + b_up_rows, kt,
+                                        sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, USE_TMA, UPCAST, B_BF16,
+                                        BN, BK)
             acc_up = tl.dot(a_even, tl.trans(up_even), acc_up)
             acc_up = tl.dot(a_odd, tl.trans(up_odd), acc_up)
 
@@ -168,16 +194,17 @@ def nv_grouped_gemm_kernel(
 
 
 def _operand_sources(a: torch.Tensor, b: torch.Tensor, block_n: int, use_tma: bool):
-    """TMA descriptors of ``a`` [T, K/2] packed or [T, K] BF16 and of ``b`` [E, rows, K/2] packed or
-    [E, rows, K] BF16 seen as 2-D, with boxes of 128 (a) / ``block_n`` (b) rows by 64 bytes of codes
-    (one K step) or 64 BF16 values (half a K step); or the tensors themselves."""
+    """TMA descriptors of the packed ``a`` [T, K/2] (boxes 128 x 64 bytes) and of ``b`` [E, rows, K/2]
+    packed or [E, rows, K] BF16, seen as 2-D (boxes of ``block_n`` rows by one K step), or the tensors."""
     if not use_tma:
         return a, b
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    box = BLOCK_K // 2
-    return (TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [TILE, box]),
-            TensorDescriptor(b, [b.shape[0] * b.shape[1], b.shape[2]], [b.shape[2], 1], [block_n, box]))
+    num_rows, k_bytes = a.shape
+    b_width = b.shape[2]
+    b_box = BLOCK_K // 2  # 64 code bytes (one K step), or 64 BF16 values (one half of a K step)
+    return (TensorDescriptor(a, [num_rows, k_bytes], [a.stride(0), 1], [TILE, BLOCK_K // 2]),
+            TensorDescriptor(b, [b.shape[0] * b.shape[1], b_width], [b_width, 1], [block_n, b_box]))
 
 
 def _or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
@@ -196,18 +223,17 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     ``dprob``: FP32 ``[n / block_n, T]`` partials."""
     mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
     cfg = config or default_config(kind)
-    # packed codes + scales, or the exact BF16 values a quantize pass / the weight cache wrote
-    a_bf16, b_bf16 = a.values is not None, (b.values_t if b_transposed else b.values) is not None
-    a_data, a_scale = (a.values, a.amax[:, None, None]) if a_bf16 else (a.data, a.scale)
-    if b_bf16:
-        b_data, b_scale = (b.values_t if b_transposed else b.values), b.amax[:, None, None]
-    else:
-        b_data, b_scale = (b.data_t, b.scale_t) if b_transposed else (b.data, b.scale)
+    a_data, a_scale = a.data, a.scale
+    b_data, b_scale = (b.data_t, b.scale_t) if b_transposed else (b.data, b.scale)
+    b_values = b.values_t if b_transposed else b.values
     if a_data is None or b_data is None:
         raise ValueError("a, b: the GEMM needs a's rowwise copy and b's copy along the reduction axis")
-    num_rows, k = a_data.shape[0], a_data.shape[1] * (1 if a_bf16 else 2)
-    if k % BLOCK_K or n % TILE or b_data.shape[2] * (1 if b_bf16 else 2) != k:
-        raise ValueError(f"NVFP4 GEMM: K={k} must match b's and be a multiple of {BLOCK_K}, N={n} of {TILE}")
+    num_rows, k = a_data.shape[0], 2 * a_data.shape[1]
+    if k % BLOCK_K or n % TILE or b_data.shape[2] * 2 != k:
+        raise ValueError(f"NVFP4 GEMM: K={k} (b: {2 * b_data.shape[2]}) must match and be a multiple of {BLOCK_K}, "
+                         f"N={n} of {TILE}")
+    if b_values is not None:  # the weight cache's exact BF16 expansion: no expansion of B in the K loop
+        b_data = b_values
     if n % cfg.block_n:
         raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
@@ -227,7 +253,7 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_experts + 1,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         WRITE_DPROB=dprob is not None, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, A_BF16=a_bf16, B_BF16=b_bf16, BM=TILE,
+        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, B_BF16=b_values is not None, BM=TILE,
         BN=cfg.block_n, BK=BLOCK_K,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -53,10 +53,9 @@ RHT_NEG_MASK = sum(1 << i for i, s in enumerate(hadamard.WGRAD_SIGNS) if s < 0)
 @dataclasses.dataclass(frozen=True)
 class NVSpec:
     """How one role's tensors are quantized: ``stochastic`` rounding (gradients), ``rht`` on the
-    wgrad (columnwise) copies, ``block_2d`` 16x16 tiles (weights); ``bf16_values``: each code times
-    its block scale is also kept as BF16 (exact) and the GEMMs read that instead of expanding codes
-    in their K loops — for weights in the cache (besides the codes: twice the BF16 weights' bytes),
-    for activations and gradients instead of the codes (4x their bytes)."""
+    wgrad (columnwise) copies, ``block_2d`` 16x16 tiles (weights); ``bf16_values`` (weights): the
+    cache also keeps each code times its block scale as BF16 (exact), which the GEMMs then read
+    instead of expanding the packed weights in their K loops (twice the BF16 weights' bytes)."""
 
     stochastic: bool = False
     rht: bool = True
@@ -74,10 +73,6 @@ class NVRows:
     data_t: Optional[torch.Tensor] = None  # [K, 64 * max_m_tiles] uint8
     scale_t: Optional[torch.Tensor] = None  # [8 * max_m_tiles, K] uint8 E4M3
     amax_t: Optional[torch.Tensor] = None  # [E + 1] float32 (of the transformed values with RHT)
-    # instead of codes + scales (NVSpec.bf16_values): codes x block scales as BF16, each 128-wide block
-    # of the reduction axis stored even elements first
-    values: Optional[torch.Tensor] = None  # [T, K] bf16
-    values_t: Optional[torch.Tensor] = None  # [K, 128 * max_m_tiles] bf16
 
 
 @dataclasses.dataclass
@@ -184,8 +179,7 @@ def quantize_tiles_kernel(
     seed_ptr, bits_ptr, stride_bits, bits_t_ptr, stride_bits_t,
     sched_ptr, K, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr, RHT: tl.constexpr,
-    STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, VALUES: tl.constexpr,
-    UPCAST: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, ``BK`` columns): 1x16 rowwise blocks and, with ``COLWISE``,
     16-token blocks inside the tile (Hadamard-transformed with ``RHT``), each with its group's tensor
@@ -213,18 +207,11 @@ def quantize_tiles_kernel(
                 bits = random_bytes(tl.load(seed_ptr), (rows[:, None] * K + cols[None, :]).to(tl.uint32))
         s_enc, s_dec = tensor_scales(tl.load(amax_ptr + group))
         codes, sc = quantize_along_cols(x, s_enc, s_dec, bits, BM, BK, STOCHASTIC)
-        if VALUES:  # BF16 [T, K]: this program's BK columns are half of a 128 block, even then odd elements
-            even, odd = e2m1_expand_halves(pack_pairs(codes, BM, BK), sc, BM, BK, UPCAST)
-            first = (pid_k * BK) // 128 * 128 + (pid_k * BK) % 128 // 2 + tl.arange(0, BK // 2)
-            v_ptrs = q_ptr + rows64[:, None] * stride_qm + first[None, :]
-            tl.store(v_ptrs, even.to(tl.bfloat16), mask=row_ok[:, None])
-            tl.store(v_ptrs + 64, odd.to(tl.bfloat16), mask=row_ok[:, None])
-        else:
-            packed_cols = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-            tl.store(q_ptr + rows64[:, None] * stride_qm + packed_cols[None, :], pack_pairs(codes, BM, BK),
-                     mask=row_ok[:, None])
-            kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
-            tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
+        packed_cols = pid_k * (BK // 2) + tl.arange(0, BK // 2)
+        tl.store(q_ptr + rows64[:, None] * stride_qm + packed_cols[None, :], pack_pairs(codes, BM, BK),
+                 mask=row_ok[:, None])
+        kb = pid_k * (BK // 16) + tl.arange(0, BK // 16)
+        tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
     if COLWISE:
         if RHT:
             x = rht_along_rows(x, BM, BK, NEG_MASK)  # rows past the group's end are zeros: so is their padding
@@ -237,17 +224,10 @@ def quantize_tiles_kernel(
         s_enc_t, s_dec_t = tensor_scales(tl.load(amax_t_ptr + group))
         # the transposed FP32 tile [columns, tokens], quantized along its rows' 16-token runs
         codes_t, sc_t = quantize_along_cols(tl.trans(x), s_enc_t, s_dec_t, bits_t, BK, BM, STOCHASTIC)
-        if VALUES:  # BF16 [K, slots]: the tile's 128 slots, even tokens then odd ones
-            even_t, odd_t = e2m1_expand_halves(pack_pairs(codes_t, BK, BM), sc_t, BK, BM, UPCAST)
-            vt_ptrs = qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + (pid_m * BM + tl.arange(0, BM // 2))[None, :]
-            tl.store(vt_ptrs, even_t.to(tl.bfloat16))
-            tl.store(vt_ptrs + BM // 2, odd_t.to(tl.bfloat16))
-        else:
-            packed_slot = pid_m * (BM // 2) + tl.arange(0, BM // 2)
-            tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + packed_slot[None, :],
-                     pack_pairs(codes_t, BK, BM))
-            tb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
-            tl.store(qts_ptr + tb[None, :] * stride_qtsb + cols[:, None], sc_t)
+        packed_slot = pid_m * (BM // 2) + tl.arange(0, BM // 2)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + packed_slot[None, :], pack_pairs(codes_t, BK, BM))
+        tb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
+        tl.store(qts_ptr + tb[None, :] * stride_qtsb + cols[:, None], sc_t)
 
 
 @triton.jit
@@ -326,24 +306,17 @@ def new_row_scales(num_rows: int, k: int, like: torch.Tensor, alloc=torch.empty)
 
 
 def new_rows(num_rows: int, width: int, like: torch.Tensor, num_experts: int, rowwise: bool, colwise: bool,
-             alloc=torch.empty, bf16_values: bool = False) -> NVRows:
-    """Buffers of a quantized activation or gradient (the copies asked for: packed codes + scales, or
-    BF16 values); amaxes start at zero."""
+             alloc=torch.empty) -> NVRows:
+    """Buffers of a quantized activation or gradient (the copies asked for); amaxes start at zero."""
     q = NVRows()
     slots = TILE * max_m_tiles(num_rows, num_experts, TILE)
     if rowwise:
-        if bf16_values:
-            q.values = alloc((num_rows, width), device=like.device, dtype=torch.bfloat16)
-        else:
-            q.data = alloc((num_rows, width // 2), device=like.device, dtype=torch.uint8)
-            q.scale = new_row_scales(num_rows, width, like, alloc)
+        q.data = alloc((num_rows, width // 2), device=like.device, dtype=torch.uint8)
+        q.scale = new_row_scales(num_rows, width, like, alloc)
         q.amax = torch.zeros(num_experts + 1, device=like.device, dtype=torch.float32)
     if colwise:
-        if bf16_values:
-            q.values_t = alloc((width, slots), device=like.device, dtype=torch.bfloat16)
-        else:
-            q.data_t = alloc((width, slots // 2), device=like.device, dtype=torch.uint8)
-            q.scale_t = alloc((slots // NV, width), device=like.device, dtype=torch.uint8)
+        q.data_t = alloc((width, slots // 2), device=like.device, dtype=torch.uint8)
+        q.scale_t = alloc((slots // NV, width), device=like.device, dtype=torch.uint8)
         q.amax_t = torch.zeros(num_experts + 1, device=like.device, dtype=torch.float32)
     return q
 
@@ -371,10 +344,8 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         raise ValueError(f"x: the NVFP4 quantize kernels need a width that is a multiple of {TILE}, got {k}")
     if random_bits is not None and not spec.stochastic:
         raise ValueError("random_bits: only used with a stochastic-rounding spec")
-    q = out if out is not None else new_rows(num_rows, k, x, num_experts, rowwise, colwise, alloc, spec.bf16_values)
-    values = q.values is not None or q.values_t is not None
-    row_out, col_out = (q.values, q.values_t) if values else (q.data, q.data_t)
-    rowwise, colwise = row_out is not None, col_out is not None
+    q = out if out is not None else new_rows(num_rows, k, x, num_experts, rowwise, colwise, alloc)
+    rowwise, colwise = q.data is not None, q.data_t is not None
     if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
         return q
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
@@ -392,18 +363,15 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     bits, bits_t = random_bits if given else (dummy, dummy)
     quantize_tiles_kernel[grid](
         x, x.stride(0),
-        row_out if rowwise else dummy, row_out.stride(0) if rowwise else 0,
-        q.scale if q.scale is not None else dummy, q.scale.stride(0) if q.scale is not None else 0,
-        q.scale.stride(1) if q.scale is not None else 0, amax,
-        col_out if colwise else dummy, col_out.stride(0) if colwise else 0,
-        q.scale_t if q.scale_t is not None else dummy, q.scale_t.stride(0) if q.scale_t is not None else 0,
-        q.amax_t if colwise else amax,
+        q.data if rowwise else dummy, q.data.stride(0) if rowwise else 0,
+        q.scale if rowwise else dummy, q.scale.stride(0) if rowwise else 0, q.scale.stride(1) if rowwise else 0, amax,
+        q.data_t if colwise else dummy, q.data_t.stride(0) if colwise else 0,
+        q.scale_t if colwise else dummy, q.scale_t.stride(0) if colwise else 0, q.amax_t if colwise else amax,
         col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
         seed, bits, bits.stride(0) if given else 0, bits_t, bits_t.stride(0) if given else 0,
         schedule, k, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, RHT=spec.rht, STOCHASTIC=spec.stochastic,
-        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, VALUES=values, UPCAST=interpreting(), BM=TILE, BK=QUANT_COLS,
-        num_warps=warps,
+        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps,
     )
     return q
 

@@ -26,7 +26,7 @@ from ..act_math import to_output
 from ..grouped_gemm import interpreting
 from ..schedule import swizzle
 from . import gemm as nv_gemm
-from .codec import DEQUANT_FACTOR, operand_halves
+from .codec import DEQUANT_FACTOR, e2m1_expand_halves
 from .quantize import TILE, NVRows
 
 
@@ -52,8 +52,8 @@ def nv_wgrad_kernel(
     x_src, stride_xk, xs_ptr, stride_xsb, amax_x_ptr,
     dw_ptr, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, G_BF16: tl.constexpr, X_BF16: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, BT: tl.constexpr, GROUP_N: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     expert = tl.program_id(1)
@@ -66,10 +66,7 @@ def nv_wgrad_kernel(
     cols_k = pid_k * BK + tl.arange(0, BK)
     n_in = tl.minimum(cols_n, N - 1)
     k_in = tl.minimum(cols_k, K - 1)
-    if USE_TMA:
-        g_ptrs = 0  # unused: the descriptors address the tiles
-        x_ptrs = 0
-    else:
+    if not USE_TMA:
         toks = tl.arange(0, BT // 2)
         g_ptrs = g_src + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
         x_ptrs = x_src + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
@@ -77,11 +74,17 @@ def nv_wgrad_kernel(
     blk = tl.arange(0, BT // 16)
     for t in range(0, tl.cdiv(row_end - row_start, BT)):
         slot = tile_start + t
+        if USE_TMA:
+            g = g_src.load([pid_n * BN, slot * (BT // 2)])
+            x = x_src.load([pid_k * BK, slot * (BT // 2)])
+        else:
+            g = tl.load(g_ptrs + slot * (BT // 2))
+            x = tl.load(x_ptrs + slot * (BT // 2))
         sblk = slot * (BT // 16) + blk
-        g_even, g_odd = operand_halves(g_src, g_ptrs, pid_n * BN, slot, gs_ptr + n_in, sblk, stride_gsb, USE_TMA,
-                                       UPCAST, G_BF16, BN, BT)
-        x_even, x_odd = operand_halves(x_src, x_ptrs, pid_k * BK, slot, xs_ptr + k_in, sblk, stride_xsb, USE_TMA,
-                                       UPCAST, X_BF16, BK, BT)
+        gs = tl.load(gs_ptr + sblk[None, :] * stride_gsb + n_in[:, None])
+        xs = tl.load(xs_ptr + sblk[None, :] * stride_xsb + k_in[:, None])
+        g_even, g_odd = e2m1_expand_halves(g, gs, BN, BT, UPCAST)
+        x_even, x_odd = e2m1_expand_halves(x, xs, BK, BT, UPCAST)
         acc = tl.dot(g_even, tl.trans(x_even), acc)
         acc = tl.dot(g_odd, tl.trans(x_odd), acc)
 
@@ -97,28 +100,24 @@ def nv_grouped_wgrad(g: NVRows, x: NVRows, schedule: torch.Tensor, dw: torch.Ten
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
     cfg = config or default_config()
-    # packed codes + scales, or the exact BF16 values of the quantize pass (even tokens first per slot)
-    (g_data, g_scale), (x_data, x_scale) = (
-        (t.values_t, t.amax_t[:, None]) if t.values_t is not None else (t.data_t, t.scale_t) for t in (g, x))
-    if g_data is None or x_data is None:
+    if g.data_t is None or x.data_t is None:
         raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t, amax_t)")
-    slots = lambda t: t.values_t.shape[1] if t.values_t is not None else 2 * t.data_t.shape[1]
-    if g_data.shape[0] != n or x_data.shape[0] != k or slots(g) != slots(x):
-        raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g_data.shape)}, x {tuple(x_data.shape)}")
-    use_tma = nv_gemm.USE_TMA_DEFAULT and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g_data, x_data))
-    g_src, x_src = g_data, x_data
+    if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
+        raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}, x {tuple(x.data_t.shape)}")
+    use_tma = nv_gemm.USE_TMA_DEFAULT and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
+    g_src, x_src = g.data_t, x.data_t
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        g_src = TensorDescriptor(g_data, list(g_data.shape), [g_data.shape[1], 1], [cfg.block_n, TILE // 2])
-        x_src = TensorDescriptor(x_data, list(x_data.shape), [x_data.shape[1], 1], [cfg.block_k, TILE // 2])
+        width = g.data_t.shape[1]
+        g_src = TensorDescriptor(g.data_t, [n, width], [width, 1], [cfg.block_n, TILE // 2])
+        x_src = TensorDescriptor(x.data_t, [k, width], [width, 1], [cfg.block_k, TILE // 2])
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     nv_wgrad_kernel[grid](
-        g_src, g_data.stride(0), g_scale, g_scale.stride(0), g.amax_t,
-        x_src, x_data.stride(0), x_scale, x_scale.stride(0), x.amax_t,
+        g_src, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0), g.amax_t,
+        x_src, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0), x.amax_t,
         dw, dw.stride(0), dw.stride(1),
         schedule, n, k, num_experts + 1,
-        USE_TMA=use_tma, UPCAST=interpreting(), G_BF16=g.values_t is not None, X_BF16=x.values_t is not None,
-        BN=cfg.block_n, BK=cfg.block_k, BT=TILE, GROUP_N=cfg.group_n,
+        USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=TILE, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
