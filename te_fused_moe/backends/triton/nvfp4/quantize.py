@@ -128,11 +128,22 @@ def encode_values(scaled, bits, STOCHASTIC: tl.constexpr):
 @triton.jit
 def quantize_along_cols(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexpr, STOCHASTIC: tl.constexpr):
     """1x16 blocks of FP32 ``v`` [BM, BK] along its columns: (codes [BM, BK] uint8, scale codes
-    [BM, BK/16] uint8). Columnwise copies transpose the FP32 tile first and come through here too
-    (one code path for every copy: no transposes of packed or uint8 tiles)."""
+    [BM, BK/16] uint8). The weights' transposed copies transpose the FP32 tile and come through here."""
     blocks = tl.reshape(v, (BM, BK // 16, 16))
     code, r = block_scale(tl.max(nan_free_abs(blocks), axis=2), s_enc, s_dec)
     scaled = tl.reshape(blocks * r[:, :, None], (BM, BK))
+    return encode_values(scaled, bits, STOCHASTIC), code
+
+
+@triton.jit
+def quantize_along_rows(v, s_enc, s_dec, bits, BM: tl.constexpr, BK: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """16x1 blocks of FP32 ``v`` [BM, BK] along its rows: (codes [BM, BK] uint8, scale codes [BM/16, BK]).
+    The columnwise activation copies come through here (on the RHT's output) and are transposed as
+    codes: the form that was exact on the H200 in every build of run 14; transposing the FP32 tile
+    after the RHT instead gave wrong codes in some builds (colwise-only and BF16-values variants)."""
+    blocks = tl.reshape(v, (BM // 16, 16, BK))
+    code, r = block_scale(tl.max(nan_free_abs(blocks), axis=1), s_enc, s_dec)
+    scaled = tl.reshape(blocks * r[:, None, :], (BM, BK))
     return encode_values(scaled, bits, STOCHASTIC), code
 
 
@@ -215,19 +226,19 @@ def quantize_tiles_kernel(
     if COLWISE:
         if RHT:
             x = rht_along_rows(x, BM, BK, NEG_MASK)  # rows past the group's end are zeros: so is their padding
-        bits_t = tl.zeros((BK, BM), tl.int32)
+        bits_t = tl.zeros((BM, BK), tl.int32)
         if STOCHASTIC:
             if GIVEN_BITS:
-                bits_t = tl.load(bits_t_ptr + slot.to(tl.int64)[None, :] * stride_bits_t + cols[:, None]).to(tl.int32)
+                bits_t = tl.load(bits_t_ptr + slot.to(tl.int64)[:, None] * stride_bits_t + cols[None, :]).to(tl.int32)
             else:
-                bits_t = random_bytes(tl.load(seed_ptr + 1), (slot[None, :] * K + cols[:, None]).to(tl.uint32))
+                bits_t = random_bytes(tl.load(seed_ptr + 1), (slot[:, None] * K + cols[None, :]).to(tl.uint32))
         s_enc_t, s_dec_t = tensor_scales(tl.load(amax_t_ptr + group))
-        # the transposed FP32 tile [columns, tokens], quantized along its rows' 16-token runs
-        codes_t, sc_t = quantize_along_cols(tl.trans(x), s_enc_t, s_dec_t, bits_t, BK, BM, STOCHASTIC)
+        codes_t, sc_t = quantize_along_rows(x, s_enc_t, s_dec_t, bits_t, BM, BK, STOCHASTIC)
         packed_slot = pid_m * (BM // 2) + tl.arange(0, BM // 2)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + packed_slot[None, :], pack_pairs(codes_t, BK, BM))
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + packed_slot[None, :],
+                 pack_pairs(tl.trans(codes_t), BK, BM))
         tb = pid_m * (BM // 16) + tl.arange(0, BM // 16)
-        tl.store(qts_ptr + tb[None, :] * stride_qtsb + cols[:, None], sc_t)
+        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_t)
 
 
 @triton.jit
