@@ -62,3 +62,20 @@ def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: in
         out["loop_found"] = bool(loop)
         out["loop_spills"] = sum(("STL" in line) or ("LDL" in line) for line in loop)
     return out
+
+
+def report_in_subprocess(module: str, timeout: int = 600) -> dict:
+    """``module.sm90_build_report()`` run in a fresh process with the interpreter off (a process
+    that imported the Triton backend under ``TRITON_INTERPRET=1`` cannot compile for the GPU)."""
+    import json
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
+    code = f"import json, {module} as t; print('SM90' + json.dumps(t.sm90_build_report()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SM90")]
+    assert proc.returncode == 0 and lines, proc.stderr[-5000:]
+    return json.loads(lines[-1][4:])

@@ -513,12 +513,6 @@ def sm90_build_report() -> dict:
     return report
 
 
-def _sm90_worker() -> None:
-    assert os.environ.get("TRITON_INTERPRET", "0") != "1"
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-    print("SM90" + json.dumps(sm90_build_report()))
-
-
 def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -552,19 +546,11 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
     """Offline sm_90a build of every default MXFP8 kernel (compile errors show on the CPU, before any
     GPU time): the GEMMs use wgmma and none spills inside its K loop; only the FC1 and dGLU epilogues
     may spill a little (outside the loop: 120 stack bytes seen)."""
-    import subprocess
-
-    from sm90_build import have_tools, tools_dir
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
 
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", "import test_triton_mxfp8_interpreter as t; t._sm90_worker()"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("SM90")]
-    assert proc.returncode == 0 and lines, proc.stderr[-5000:]
-    report = json.loads(lines[-1][4:])
+    report = report_in_subprocess("test_triton_mxfp8_interpreter")
     for name, r in report.items():
         if name.startswith(("fc", "dact", "dgrad", "wgrad")):
             assert r["qgmma"] + r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)

@@ -266,7 +266,7 @@ def check_stochastic_rounding(device: str, draws: int = 64) -> dict:
     sched = build_schedule(torch.tensor([T], device=device), T, TILE)
     spec = NVSpec(stochastic=True, rht=False)
     total = torch.zeros(T, K, dtype=torch.float64)
-    first = second = None
+    first = None
     for i in range(draws):
         q = quantize_rows(x.to(device), sched, 1, spec, rowwise=True, colwise=False)
         values = formats.decode(nvfp4.unpack_e2m1(q.data.cpu(), 1, K), formats.E2M1, torch.float64)
@@ -449,12 +449,6 @@ def sm90_build_report() -> dict:
     return report
 
 
-def _sm90_worker() -> None:
-    assert os.environ.get("TRITON_INTERPRET", "0") != "1"
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-    print("SM90" + json.dumps(sm90_build_report()))
-
-
 def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
@@ -480,19 +474,11 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
     inside its K loop (the expansion works on 16-bit halves; on 32-bit codes FC1, FC2, the dgrad and
     the wgrad spilled 67-168 loads/stores per iteration). Only FC1's epilogue (two 128x128 FP32
     accumulators, BN = 128) may spill, outside the loop."""
-    import subprocess
-
-    from sm90_build import have_tools, tools_dir
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
 
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", "import test_triton_nvfp4_interpreter as t; t._sm90_worker()"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("SM90")]
-    assert proc.returncode == 0 and lines, proc.stderr[-5000:]
-    report = json.loads(lines[-1][4:])
+    report = report_in_subprocess("test_triton_nvfp4_interpreter")
     for name, r in report.items():
         if name.startswith(("fc", "dact", "dgrad", "wgrad")):
             assert r["qgmma"] == 0 and r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
