@@ -95,3 +95,20 @@ def assert_within(case_id: str, res: dict, bound: float, fp64_bound: float) -> N
         assert res["fp64"][name] <= fp64_bound, f"{case_id}: {name} vs FP64 {res['fp64'][name]:.3g}"
     for name, bad in res["nonzero"].items():
         assert bad == 0, (case_id, name, res["nonzero"])
+
+
+def bench_unfused_vs_fused(recipe: str, p, device) -> dict:
+    """Relative errors (y and the x, w1, w2 gradients) between the benchmark's ``<recipe>_unfused``
+    and ``<recipe>_fused`` (``te_fused_moe/bench_recipes.py``) on problem ``p``, swiglu, one random dy."""
+    from moe_reference import rel_err
+
+    from te_fused_moe import bench_recipes
+
+    outs = {}
+    for name in (f"{recipe}_unfused", f"{recipe}_fused"):
+        x, w1, w2 = (p[k].clone().requires_grad_(True) for k in ("x", "w1", "w2"))
+        y = bench_recipes.IMPLEMENTATIONS[name](x, p["tokens_per_expert"], w1, w2, "swiglu")
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=y.dtype))
+        outs[name] = {"y": y, "x": x.grad, "w1": w1.grad, "w2": w2.grad}
+    unfused, fused = outs[f"{recipe}_unfused"], outs[f"{recipe}_fused"]
+    return {k: rel_err(unfused[k], fused[k]) for k in fused}

@@ -448,19 +448,12 @@ def check_dispatch(device: str) -> dict:
 def check_bench_baseline(device: str) -> dict:
     """The benchmark's unfused MXFP8 baseline computes the same recipe as the fused path, up to
     rounding ``a`` and ``dh`` to BF16 before their quantize kernels (which moves a few FP8 codes)."""
-    from moe_reference import random_problem, rel_err
-
-    from te_fused_moe import bench_recipes
+    from block_scaled_checks import bench_unfused_vs_fused
+    from moe_reference import random_problem
 
     p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, routing="empty", padding=0, seed=2)
     p["tokens_per_expert"][-1] += p["x"].shape[0] - int(p["tokens_per_expert"].sum())  # the bench routes every row
-    outs = {}
-    for name in ("mxfp8_unfused", "mxfp8_fused"):
-        x, w1, w2 = (p[k].clone().requires_grad_(True) for k in ("x", "w1", "w2"))
-        y = bench_recipes.IMPLEMENTATIONS[name](x, p["tokens_per_expert"], w1, w2, "swiglu")
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=y.dtype))
-        outs[name] = {"y": y, "x": x.grad, "w1": w1.grad, "w2": w2.grad}
-    return {k: rel_err(outs["mxfp8_unfused"][k], outs["mxfp8_fused"][k]) for k in outs["mxfp8_fused"]}
+    return bench_unfused_vs_fused("mxfp8", p, device)
 
 
 # --- 6. offline sm_90a build (no GPU needed) ----------------------------------------------------------

@@ -379,19 +379,12 @@ def check_dispatch(device: str) -> dict:
 def check_bench_baseline(device: str) -> dict:
     """The benchmark's ``nvfp4_unfused`` computes the same recipe as ``nvfp4_fused`` (stochastic
     rounding on in both: gradients within its noise)."""
-    from moe_reference import random_problem, rel_err
-
-    from te_fused_moe import bench_recipes
+    from block_scaled_checks import bench_unfused_vs_fused
+    from moe_reference import random_problem
 
     p = random_problem(256, 256, 128, 2, dtype=torch.bfloat16, device=device, seed=2)
     p["tokens_per_expert"] = torch.tensor([96, 160], device=device)
-    outs = {}
-    for name in ("nvfp4_unfused", "nvfp4_fused"):
-        x, w1, w2 = (p[k].clone().requires_grad_(True) for k in ("x", "w1", "w2"))
-        y = bench_recipes.IMPLEMENTATIONS[name](x, p["tokens_per_expert"], w1, w2, "swiglu")
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=y.dtype))
-        outs[name] = {"y": y, "x": x.grad, "w1": w1.grad, "w2": w2.grad}
-    return {k: rel_err(outs["nvfp4_unfused"][k], outs["nvfp4_fused"][k]) for k in outs["nvfp4_fused"]}
+    return bench_unfused_vs_fused("nvfp4", p, device)
 
 
 # --- the interpreter run ------------------------------------------------------------------------------
