@@ -68,7 +68,8 @@ def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: tor
 def wgrad_operands(g, x, dw: torch.Tensor, block_n: int, block_k: int, block_t: int, use_tma: bool) -> tuple:
     """Checks the columnwise copies of ``g`` [T, N] and ``x`` [T, K] against ``dw`` [E, N, K], then
     returns (use_tma, the wgrad kernels' arguments from ``g_src`` to ``N, K, NUM_GROUPS`` minus the
-    schedule): TMA descriptors of ``data_t`` with ``block_n`` / ``block_k`` x ``block_t`` boxes where allowed."""
+    schedule): TMA descriptors of ``data_t`` (FP8 codes, or bytes of two FP4 codes) with ``block_n`` /
+    ``block_k`` x ``block_t`` boxes where allowed."""
     num_experts, n, k = dw.shape
     if g.data_t is None or x.data_t is None:
         raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t)")

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..act_math import to_output
+from ..block_scaled_launch import wgrad_operands
 from ..grouped_gemm import interpreting
 from ..schedule import swizzle
 from . import gemm as nv_gemm
@@ -48,9 +49,10 @@ def default_config() -> NVWgradConfig:
 
 @triton.jit
 def nv_wgrad_kernel(
-    g_src, stride_gn, gs_ptr, stride_gsb, amax_g_ptr,
-    x_src, stride_xk, xs_ptr, stride_xsb, amax_x_ptr,
+    g_src, stride_gn, gs_ptr, stride_gsb,
+    x_src, stride_xk, xs_ptr, stride_xsb,
     dw_ptr, stride_dw_e, stride_dw_n,
+    amax_g_ptr, amax_x_ptr,
     sched_ptr, N, K, NUM_GROUPS,
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     GROUP_N: tl.constexpr,
@@ -100,23 +102,11 @@ def nv_grouped_wgrad(g: NVRows, x: NVRows, schedule: torch.Tensor, dw: torch.Ten
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
     cfg = config or default_config()
-    if g.data_t is None or x.data_t is None:
-        raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t, amax_t)")
-    if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
-        raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}, x {tuple(x.data_t.shape)}")
-    use_tma = nv_gemm.USE_TMA_DEFAULT and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
-    g_src, x_src = g.data_t, x.data_t
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        width = g.data_t.shape[1]
-        g_src = TensorDescriptor(g.data_t, [n, width], [width, 1], [cfg.block_n, TILE // 2])
-        x_src = TensorDescriptor(x.data_t, [k, width], [width, 1], [cfg.block_k, TILE // 2])
+    # TMA boxes of 64 bytes along the tokens: one slot of 128 packed codes
+    use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, TILE // 2, nv_gemm.USE_TMA_DEFAULT)
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     nv_wgrad_kernel[grid](
-        g_src, g.data_t.stride(0), g.scale_t, g.scale_t.stride(0), g.amax_t,
-        x_src, x.data_t.stride(0), x.scale_t, x.scale_t.stride(0), x.amax_t,
-        dw, dw.stride(0), dw.stride(1),
+        *operands, g.amax_t, x.amax_t,
         schedule, n, k, num_experts + 1,
         USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=TILE, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
