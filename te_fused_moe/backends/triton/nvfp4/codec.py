@@ -33,7 +33,20 @@ def tensor_scales(amax):
 
 @triton.jit
 def e4m3_to_float(code):
-    """FP32 value of an E4M3 code (never NaN here: the quantizers' scales are satfinite)."""
+    """FP32 value of a non-negative E4M3 code: a block scale (never NaN: the quantizers' scales are
+    satfinite; the sign bit is not read)."""
+    c = code.to(tl.int32)
+    e = (c >> 3) & 0xF
+    m = c & 7
+    significand = tl.where(e == 0, m, m + 8).to(tl.float32)
+    pow2 = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 10), e >= 1
+    return significand * pow2
+
+
+@triton.jit
+def e4m3_signed_to_float(code):
+    """FP32 value of any finite E4M3 code, sign included (the expansions decode with this; its
+    build is the one run 14d verified on the H200)."""
     c = code.to(tl.int32)
     e = (c >> 3) & 0xF
     m = c & 7
@@ -100,7 +113,7 @@ def e2m1_values(c, UPCAST: tl.constexpr):
     e = 0), and bit 3 of the code moves to the sign bit."""
     byte = ((c & 7) << 2) | ((c & 8) << 4)
     if UPCAST:  # the interpreter: the same number from its bits
-        return e4m3_to_float(byte)
+        return e4m3_signed_to_float(byte)
     else:
         return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
@@ -116,7 +129,7 @@ def e2m1_expand_halves(packed, scale_codes, ROWS: tl.constexpr, COLS: tl.constex
     half with both operands split alike (interleaving in registers is a layout shuffle through shared
     memory that made the K loops 2-4x slower on the H200, run 14). Byte j holds elements 2j, 2j + 1,
     both in block j // 8."""
-    scale = (e4m3_to_float(scale_codes) * 64.0)[:, :, None]  # x 64 undoes e2m1_values' 2^-6
+    scale = (e4m3_signed_to_float(scale_codes) * 64.0)[:, :, None]  # x 64 undoes e2m1_values' 2^-6
     even = tl.reshape(tl.reshape(e2m1_values(packed & 0xF, UPCAST), (ROWS, COLS // 16, 8)) * scale, (ROWS, COLS // 2))
     odd = tl.reshape(tl.reshape(e2m1_values(packed >> 4, UPCAST), (ROWS, COLS // 16, 8)) * scale, (ROWS, COLS // 2))
     if UPCAST:

@@ -49,10 +49,9 @@ def default_config() -> NVWgradConfig:
 
 @triton.jit
 def nv_wgrad_kernel(
-    g_src, stride_gn, gs_ptr, stride_gsb,
-    x_src, stride_xk, xs_ptr, stride_xsb,
+    g_src, stride_gn, gs_ptr, stride_gsb, amax_g_ptr,
+    x_src, stride_xk, xs_ptr, stride_xsb, amax_x_ptr,
     dw_ptr, stride_dw_e, stride_dw_n,
-    amax_g_ptr, amax_x_ptr,
     sched_ptr, N, K, NUM_GROUPS,
     USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     GROUP_N: tl.constexpr,
@@ -76,17 +75,19 @@ def nv_wgrad_kernel(
     blk = tl.arange(0, BT // 16)
     for t in range(0, tl.cdiv(row_end - row_start, BT)):
         slot = tile_start + t
+        sblk = slot * (BT // 16) + blk
         if USE_TMA:
             g = g_src.load([pid_n * BN, slot * (BT // 2)])
-            x = x_src.load([pid_k * BK, slot * (BT // 2)])
         else:
             g = tl.load(g_ptrs + slot * (BT // 2))
+        g_even, g_odd = e2m1_expand_halves(g, tl.load(gs_ptr + n_in[:, None] + sblk[None, :] * stride_gsb), BN, BT,
+                                           UPCAST)
+        if USE_TMA:
+            x = x_src.load([pid_k * BK, slot * (BT // 2)])
+        else:
             x = tl.load(x_ptrs + slot * (BT // 2))
-        sblk = slot * (BT // 16) + blk
-        gs = tl.load(gs_ptr + sblk[None, :] * stride_gsb + n_in[:, None])
-        xs = tl.load(xs_ptr + sblk[None, :] * stride_xsb + k_in[:, None])
-        g_even, g_odd = e2m1_expand_halves(g, gs, BN, BT, UPCAST)
-        x_even, x_odd = e2m1_expand_halves(x, xs, BK, BT, UPCAST)
+        x_even, x_odd = e2m1_expand_halves(x, tl.load(xs_ptr + k_in[:, None] + sblk[None, :] * stride_xsb), BK, BT,
+                                           UPCAST)
         acc = tl.dot(g_even, tl.trans(x_even), acc)
         acc = tl.dot(g_odd, tl.trans(x_odd), acc)
 
@@ -106,7 +107,7 @@ def nv_grouped_wgrad(g: NVRows, x: NVRows, schedule: torch.Tensor, dw: torch.Ten
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, TILE // 2, nv_gemm.USE_TMA_DEFAULT)
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     nv_wgrad_kernel[grid](
-        *operands, g.amax_t, x.amax_t,
+        *operands[:4], g.amax_t, *operands[4:8], x.amax_t, *operands[8:],  # each operand's tensor amax after it
         schedule, n, k, num_experts + 1,
         USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=TILE, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
