@@ -81,7 +81,8 @@ class RecipeKernels:
                                           args.probs, args.activation, self.specs_of(args.recipe), self)
 
 
-def _new(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+def new_buffer(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A kernel buffer from ``ALLOC`` (read at call time: tests poison buffers) on ``like``'s device."""
     return ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
 
 
@@ -104,7 +105,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         num_experts, n1, _ = w1.shape
         ffn = w2.shape[2]
         act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
-        y = _new((num_rows, hidden), x)
+        y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec, ctx.kernels = act, grad_spec, k
         if num_rows == 0:
             ctx.empty = True
@@ -115,7 +116,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         w1q = k.weight_cache.get(w1, spec)
         w2q = k.weight_cache.get(w2, spec)
         xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=ALLOC)
-        h = _new((num_rows, n1), x, H_DTYPE or x.dtype)
+        h = new_buffer((num_rows, n1), x, H_DTYPE or x.dtype)
         aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC)
         k.gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, ffn, schedule, num_experts, spec, q=aq, h=h,
                       h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs, **act)
@@ -148,34 +149,34 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         dx = dw1 = dw2 = db1 = db2 = dprobs = None
 
         # the dy quantize pass also writes per-tile column sums of dy: db2 without another read of dy
-        db2_parts = _new((m_tiles, hidden), like, torch.float32) if need[5] else None
+        db2_parts = new_buffer((m_tiles, hidden), like, torch.float32) if need[5] else None
         dyq = k.quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=ALLOC,
                               col_sums=db2_parts)
         dhq = None
         if need_dact:
             dhq = k.new_rows(num_rows, n1, like, spec, num_experts, need[0], need[2], ALLOC)
             cfg = k.gemm.default_config("dact")
-            dprob_buf = _new((triton.cdiv(ffn, cfg.block_n), num_rows), like, torch.float32) if want_dprob else None
-            dbias_buf = _new((m_tiles, n1), like, torch.float32) if need[4] else None
+            dprob_buf = new_buffer((triton.cdiv(ffn, cfg.block_n), num_rows), like, torch.float32) if want_dprob else None
+            dbias_buf = new_buffer((m_tiles, n1), like, torch.float32) if need[4] else None
             k.gemm.launch("dact", dyq.data, dyq.scale, ctx.w2q.data_t, ctx.w2q.scale_t, ffn, schedule, num_experts,
                           spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
                           dbias=dbias_buf, config=cfg, **ctx.act)
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
             if need[4]:
-                db1 = _new((num_experts, n1), like)
+                db1 = new_buffer((num_experts, n1), like)
                 k.tile_sums_to_experts(dbias_buf, schedule, db1)
         if need[0]:
-            dx = _new((num_rows, hidden), like)
+            dx = new_buffer((num_rows, hidden), like)
             k.gemm.launch("dgrad", dhq.data, dhq.scale, ctx.w1q.data_t, ctx.w1q.scale_t, hidden, schedule,
                           num_experts, spec, c=dx)
         if need[3]:
-            dw2 = _new(w2.shape, w2)
+            dw2 = new_buffer(w2.shape, w2)
             k.grouped_wgrad(k.rows(data_t=dyq.data_t, scale_t=dyq.scale_t), ctx.a_cols, schedule, dw2)
         if need[5]:
-            db2 = _new((num_experts, hidden), like)
+            db2 = new_buffer((num_experts, hidden), like)
             k.tile_sums_to_experts(db2_parts, schedule, db2)
         if need[2]:
-            dw1 = _new(w1.shape, w1)
+            dw1 = new_buffer(w1.shape, w1)
             k.grouped_wgrad(k.rows(data_t=dhq.data_t, scale_t=dhq.scale_t), ctx.x_cols, schedule, dw1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None

@@ -17,15 +17,17 @@ def tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def operand_sources(a: torch.Tensor, b: torch.Tensor, block_m: int, block_n: int, block_k: int, use_tma: bool):
-    """``(a_src, b_src)``: TMA descriptors of ``a`` [T, K] (boxes ``block_m x block_k``) and of the stacked
-    ``b`` [E, rows, K] seen as ``[E * rows, K]`` (boxes ``block_n x block_k``), or the tensors themselves."""
+    """``(a_src, b_src)``: TMA descriptors of ``a`` [T, Ka] (boxes ``block_m x block_k``) and of the stacked
+    contiguous ``b`` [E, rows, Kb] seen as ``[E * rows, Kb]`` (boxes ``block_n x block_k``), or the tensors
+    themselves. ``Ka`` and ``Kb`` are the row widths in elements: equal for FP8 operands; NVFP4's packed
+    A and BF16-valued B hold K/2 bytes and K values."""
     if not use_tma:
         return a, b
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    num_rows, k = a.shape
-    return (TensorDescriptor(a, [num_rows, k], [a.stride(0), 1], [block_m, block_k]),
-            TensorDescriptor(b, [b.shape[0] * b.shape[1], k], [k, 1], [block_n, block_k]))
+    b_width = b.shape[2]
+    return (TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [block_m, block_k]),
+            TensorDescriptor(b, [b.shape[0] * b.shape[1], b_width], [b_width, 1], [block_n, block_k]))
 
 
 def quantized_copies(q) -> tuple:
@@ -33,7 +35,7 @@ def quantized_copies(q) -> tuple:
     return q is not None and q.data is not None, q is not None and q.data_t is not None
 
 
-def _or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor, *dims: int) -> tuple:
+def or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor, *dims: int) -> tuple:
     """``t`` and its strides ``dims``, or the dummy with zero strides."""
     if t is None:
         return (dummy,) + (0,) * len(dims)
@@ -54,14 +56,14 @@ def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: tor
         a_src, a.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1),
         b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
         b_up_rows,
-        *_or_dummy(c, dummy, 0),
-        q_data, q.data.stride(0) if rowwise else 0, *_or_dummy(q.scale if rowwise else None, dummy, 0, 1),
-        qt_data, q.data_t.stride(0) if colwise else 0, *_or_dummy(q.scale_t if colwise else None, dummy, 0),
+        *or_dummy(c, dummy, 0),
+        q_data, q.data.stride(0) if rowwise else 0, *or_dummy(q.scale if rowwise else None, dummy, 0, 1),
+        qt_data, q.data_t.stride(0) if colwise else 0, *or_dummy(q.scale_t if colwise else None, dummy, 0),
         q_up_offset,
-        *_or_dummy(h, dummy, 0), h_up_offset,
-        *_or_dummy(bias, dummy, 0), bias_up_offset,
-        probs if probs is not None else dummy, *_or_dummy(dprob, dummy, 0),
-        *_or_dummy(dbias, dummy, 0),
+        *or_dummy(h, dummy, 0), h_up_offset,
+        *or_dummy(bias, dummy, 0), bias_up_offset,
+        probs if probs is not None else dummy, *or_dummy(dprob, dummy, 0),
+        *or_dummy(dbias, dummy, 0),
     )
 
 

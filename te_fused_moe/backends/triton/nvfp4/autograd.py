@@ -30,7 +30,7 @@ import torch
 import triton
 
 from .. import block_scaled
-from ..block_scaled import empty_input_grads
+from ..block_scaled import empty_input_grads, new_buffer
 from ..fp8_block.wgrad import tile_sums_to_experts
 from ..schedule import build_schedule, max_m_tiles
 from . import gemm
@@ -52,10 +52,6 @@ def specs_of(recipe):
                    bf16_values=BF16_WEIGHT_VALUES))
 
 
-def _new(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    return block_scaled.ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
-
-
 class NVFP4ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs):
@@ -65,7 +61,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         num_experts, n1, _ = w1.shape
         ffn = w2.shape[2]
         act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
-        y = _new((num_rows, hidden), x)
+        y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec = act, grad_spec
         ctx.empty = num_rows == 0
         if ctx.empty:
@@ -75,8 +71,8 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         w1q = WEIGHT_CACHE.get(w1, weight_spec)
         w2q = WEIGHT_CACHE.get(w2, weight_spec)
         xq = quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=block_scaled.ALLOC)
-        h = _new((num_rows, n1), x, block_scaled.H_DTYPE or x.dtype)
-        a = _new((num_rows, ffn), x, torch.float32)
+        h = new_buffer((num_rows, n1), x, block_scaled.H_DTYPE or x.dtype)
+        a = new_buffer((num_rows, ffn), x, torch.float32)
         gemm.launch("fc1", xq, w1q, ffn, schedule, num_experts, c=a, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1,
                     bias_up_offset=ffn, probs=probs, **act)
         aq = quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=block_scaled.ALLOC)
@@ -103,34 +99,34 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         need_dact = need[0] or need[2] or need[4] or want_dprob
         dx = dw1 = dw2 = db1 = db2 = dprobs = dhq = None
 
-        db2_parts = _new((m_tiles, hidden), w1, torch.float32) if need[5] else None
+        db2_parts = new_buffer((m_tiles, hidden), w1, torch.float32) if need[5] else None
         dyq = quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=alloc,
                             col_sums=db2_parts)
         if need_dact:
-            dh = _new((num_rows, n1), w1, torch.float32)
+            dh = new_buffer((num_rows, n1), w1, torch.float32)
             cfg = gemm.default_config("dact")
-            dprob_buf = _new((triton.cdiv(ffn, cfg.block_n), num_rows), w1, torch.float32) if want_dprob else None
+            dprob_buf = new_buffer((triton.cdiv(ffn, cfg.block_n), num_rows), w1, torch.float32) if want_dprob else None
             gemm.launch("dact", dyq, ctx.w2q, ffn, schedule, num_experts, b_transposed=True, c=dh, c_up_offset=ffn,
                         h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf, config=cfg, **ctx.act)
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
-            db1_parts = _new((m_tiles, n1), w1, torch.float32) if need[4] else None
+            db1_parts = new_buffer((m_tiles, n1), w1, torch.float32) if need[4] else None
             dhq = quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2], alloc=alloc,
                                 col_sums=db1_parts)
             if need[4]:
-                db1 = _new((num_experts, n1), w1)
+                db1 = new_buffer((num_experts, n1), w1)
                 tile_sums_to_experts(db1_parts, schedule, db1)
         if need[0]:
-            dx = _new((num_rows, hidden), w1)
+            dx = new_buffer((num_rows, hidden), w1)
             gemm.launch("dgrad", dhq, ctx.w1q, hidden, schedule, num_experts, b_transposed=True, c=dx)
         if need[3]:
-            dw2 = _new(w2.shape, w2)
+            dw2 = new_buffer(w2.shape, w2)
             nv_grouped_wgrad(dyq, ctx.aq, schedule, dw2)
         if need[5]:
-            db2 = _new((num_experts, hidden), w1)
+            db2 = new_buffer((num_experts, hidden), w1)
             tile_sums_to_experts(db2_parts, schedule, db2)
         if need[2]:
-            dw1 = _new(w1.shape, w1)
+            dw1 = new_buffer(w1.shape, w1)
             nv_grouped_wgrad(dhq, ctx.xq, schedule, dw1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None
 

@@ -9,8 +9,8 @@ in registers — E2M1 code times its E4M3 block scale, which is exact in BF16 (2
 fit 8) — as two halves (even and odd elements: ``codec.e2m1_expand_halves``) and runs one BF16
 wgmma per half into the loop-carried FP32 accumulator. With ``NVSpec.bf16_values`` the weight cache
 holds B already expanded (each 128-wide K block stored even elements first), so only A is
-expanded in the loop. The two tensor scales are
-one FP32 factor per tile, ``(amax_a / 2688) * (amax_b / 2688)``, applied in the epilogue. That is
+expanded in the loop. The two tensor scales are one FP32 factor per tile,
+``(amax_a / 2688) * (amax_b / 2688)``, applied in the epilogue. That is
 the Blackwell block-scaled MMA's product up to the order of FP32 sums (the reference dequantizes
 each element with the factor rounded in; the difference is FP32 rounding).
 
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, to_output
-from ..block_scaled_launch import tma_allowed
+from ..block_scaled_launch import operand_sources, or_dummy, tma_allowed
 from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import DEQUANT_FACTOR, e2m1_expand_halves
@@ -54,18 +54,15 @@ class NVGemmConfig:
 
 
 def default_config(kind: str) -> NVGemmConfig:
-    """BM = 128 (schedule tiles), BK = 128. Starting points from MXFP8's expansion loop, measured on
-    the H200 (``mxfp8.gemm.default_config``): FC1 at BN = 128, 8 warps; the dGLU at BN = 64, 8 warps;
-    FC2 / FC1 dgrad 128x64 tiles at 4 warps (several CTAs per SM overlap one's expansion with
-    another's wgmma)."""
+    """BM = 128 (schedule tiles), BK = 128. FC1 at BN = 128 (as MXFP8's expansion loop measured
+    best, ``mxfp8.gemm.default_config``); the others at BN = 64. All at 8 warps: at 4, FC2 and the
+    dgrad spilled in their K loops (offline sm_90a build, run 14)."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
     if interpreting():
         return NVGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1)
     if kind == "fc1":
         return NVGemmConfig(block_n=128, num_warps=8, num_stages=3)
-    if kind == "dact":
-        return NVGemmConfig(block_n=64, num_warps=8, num_stages=4)
     return NVGemmConfig(block_n=64, num_warps=8, num_stages=4)
 
 
@@ -193,24 +190,6 @@ def nv_grouped_gemm_kernel(
             tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
 
 
-def _operand_sources(a: torch.Tensor, b: torch.Tensor, block_n: int, use_tma: bool):
-    """TMA descriptors of the packed ``a`` [T, K/2] (boxes 128 x 64 bytes) and of ``b`` [E, rows, K/2]
-    packed or [E, rows, K] BF16, seen as 2-D (boxes of ``block_n`` rows by one K step), or the tensors."""
-    if not use_tma:
-        return a, b
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    num_rows, k_bytes = a.shape
-    b_width = b.shape[2]
-    b_box = BLOCK_K // 2  # 64 code bytes (one K step), or 64 BF16 values (one half of a K step)
-    return (TensorDescriptor(a, [num_rows, k_bytes], [a.stride(0), 1], [TILE, BLOCK_K // 2]),
-            TensorDescriptor(b, [b.shape[0] * b.shape[1], b_width], [b_width, 1], [block_n, b_box]))
-
-
-def _or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor) -> tuple:
-    return (dummy, 0) if t is None else (t, t.stride(0))
-
-
 def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *, c: torch.Tensor,
            c_up_offset: int = 0, h: Optional[torch.Tensor] = None, h_up_offset: int = 0, b_transposed: bool = False,
            b_up_rows: int = 0, bias: Optional[torch.Tensor] = None, bias_up_offset: int = 0,
@@ -239,16 +218,17 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     use_tma = USE_TMA_DEFAULT and tma_allowed(a_data, b_data)
-    a_src, b_src = _operand_sources(a_data, b_data, cfg.block_n, use_tma)
+    # boxes of 64 bytes of codes (one K step), or of 64 BF16 values (half a K step)
+    a_src, b_src = operand_sources(a_data, b_data, TILE, cfg.block_n, BLOCK_K // 2, use_tma)
     dummy = a.amax
     return nv_grouped_gemm_kernel[grid](
         a_src, a_data.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1), a.amax,
         b_src, b_data.stride(0), b_data.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         b.amax, b_data.shape[1], b_up_rows,
         c, c.stride(0), c_up_offset,
-        *_or_dummy(h, dummy), h_up_offset,
-        *_or_dummy(bias, dummy), bias_up_offset,
-        probs if probs is not None else dummy, *_or_dummy(dprob, dummy),
+        *or_dummy(h, dummy, 0), h_up_offset,
+        *or_dummy(bias, dummy, 0), bias_up_offset,
+        probs if probs is not None else dummy, *or_dummy(dprob, dummy, 0),
         schedule,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_experts + 1,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,

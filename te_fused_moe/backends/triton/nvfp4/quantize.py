@@ -2,7 +2,7 @@
 
 Every NVFP4 tensor has one FP32 tensor scale from its amax. As TE's grouped GEMMs do (and the
 reference backend emulates), each expert's slice is its own tensor: amaxes are per *group* of the
-schedule (``[E + 1]``, the last one the padding rows'), computed by :func:`group_amax` before the
+schedule (``[E + 1]``, the last one the padding rows'), computed by :func:`group_amax_kernel` before the
 quantize pass reads them — the one thing that keeps NVFP4 out of a single-pass GEMM epilogue.
 
 Layouts (what the NVFP4 GEMMs read; codes are packed two per byte along the GEMM's reduction axis,
@@ -340,13 +340,11 @@ def new_seed(device: torch.device) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: NVSpec, *, rowwise: bool = True,
                   colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None,
-                  out: Optional[NVRows] = None, random_bits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-                  ) -> NVRows:
+                  random_bits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> NVRows:
     """NVFP4-quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x16 along K) and/or columnwise (16 tokens per block restarting at each expert, RHT per
     ``spec``), each expert with its own tensor scales. ``col_sums`` (FP32 ``[max_m_tiles, K]``)
-    receives each tile's column sums of ``x``; ``out``: buffers from :func:`new_rows` to fill;
-    ``random_bits`` (tests, stochastic specs): uint8 ``[T, K]`` for the rowwise copy and
+    receives each tile's column sums of ``x``; ``random_bits`` (tests, stochastic specs): uint8 ``[T, K]`` for the rowwise copy and
     ``[128 * max_m_tiles, K]`` (by slot) for the columnwise one."""
     num_rows, k = x.shape
     if x.stride(1) != 1:
@@ -355,8 +353,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         raise ValueError(f"x: the NVFP4 quantize kernels need a width that is a multiple of {TILE}, got {k}")
     if random_bits is not None and not spec.stochastic:
         raise ValueError("random_bits: only used with a stochastic-rounding spec")
-    q = out if out is not None else new_rows(num_rows, k, x, num_experts, rowwise, colwise, alloc)
-    rowwise, colwise = q.data is not None, q.data_t is not None
+    q = new_rows(num_rows, k, x, num_experts, rowwise, colwise, alloc)
     if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
         return q
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
