@@ -45,8 +45,10 @@ def e4m3_to_float(code):
 
 @triton.jit
 def e4m3_signed_to_float(code):
-    """FP32 value of any finite E4M3 code, sign included (the expansions decode with this; its
-    build is the one run 14d verified on the H200)."""
+    """FP32 value of any finite E4M3 code, sign included: the expansions decode with this. It repeats
+    :func:`e4m3_to_float` instead of calling it because that changes the GEMMs' SASS, and this build
+    is the one run 14d verified on the H200 (the quantizers keep the unsigned one for the same reason:
+    run 14a's build)."""
     c = code.to(tl.int32)
     e = (c >> 3) & 0xF
     m = c & 7
@@ -126,9 +128,10 @@ def e2m1_expand_halves(packed, scale_codes, ROWS: tl.constexpr, COLS: tl.constex
     value (2 significant bits) times an E4M3 scale (4) fits BF16's 8.
 
     The halves are not interleaved back: a GEMM reduces over K in any order, so it runs one dot per
-    half with both operands split alike (interleaving in registers is a layout shuffle through shared
-    memory that made the K loops 2-4x slower on the H200, run 14). Byte j holds elements 2j, 2j + 1,
-    both in block j // 8."""
+    half with both operands split alike. That saves the interleaving shuffle (though on the H200 the
+    K loops were no faster for it, run 14b: the expansion's arithmetic bounds them) and lets the
+    weight cache store BF16 values in the same split order. Byte j holds elements 2j, 2j + 1, both
+    in block j // 8."""
     scale = (e4m3_signed_to_float(scale_codes) * 64.0)[:, :, None]  # x 64 undoes e2m1_values' 2^-6
     even = tl.reshape(tl.reshape(e2m1_values(packed & 0xF, UPCAST), (ROWS, COLS // 16, 8)) * scale, (ROWS, COLS // 2))
     odd = tl.reshape(tl.reshape(e2m1_values(packed >> 4, UPCAST), (ROWS, COLS // 16, 8)) * scale, (ROWS, COLS // 2))
