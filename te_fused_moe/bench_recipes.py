@@ -204,8 +204,15 @@ IMPLEMENTATIONS = {"bf16_unfused": bench.unfused_mlp, "bf16_fused": bench.fused_
 for _recipe in RECIPES:
     IMPLEMENTATIONS[f"{_recipe}_unfused"] = _unfused(_recipe)
     IMPLEMENTATIONS[f"{_recipe}_fused"] = _fused(_recipe)
-IMPLEMENTATIONS["nvfp4_fused_bf16_weights"] = lambda *args: __import__(
-    "te_fused_moe.bench_nvfp4", fromlist=["fused_bf16_weights"]).fused_bf16_weights(*args)
+
+
+def _nvfp4_fused_bf16_weights(x, counts, w1, w2, activation):
+    from .bench_nvfp4 import fused_bf16_weights
+
+    return fused_bf16_weights(x, counts, w1, w2, activation)
+
+
+IMPLEMENTATIONS["nvfp4_fused_bf16_weights"] = _nvfp4_fused_bf16_weights
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in
 # _scaled_grouped_mm on the H200 (torch 2.11, GroupMMCommon.cuh:64, "dynamic dimension byte size ...
 # multiple of 16"), which kills the CUDA context and the whole run; the wgrad operands are now padded
@@ -256,14 +263,14 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
     FP8 rowwise + columnwise written; scales not counted); optionally with given block configs
     (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU, ``wgrad_config``) and, for the
     FP8 block quantize kernel, warps and a register cap."""
-    import triton
-
-    from .backends.triton.schedule import build_schedule
-
     if recipe == "nvfp4":
         from . import bench_nvfp4
 
         return bench_nvfp4.bench_kernels(shape, inputs, fp8_peak)
+    import triton
+
+    from .backends.triton.schedule import build_schedule
+
     k, spec = recipe_kernels(recipe)
     act = ActivationConfig(shape.activation)
     x, w1, w2, counts, dy = (inputs[name] for name in ("x", "w1", "w2", "counts", "dy"))
