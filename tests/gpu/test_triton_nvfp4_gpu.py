@@ -10,8 +10,9 @@ the measured errors). The checks are those of tests/test_triton_nvfp4_interprete
 - the whole MLP forward + backward vs the reference backend's emulation (stochastic rounding off),
   under ``torch.cuda.set_sync_debug_mode("error")``, every buffer NaN-poisoned. Bounds: 2e-2 with
   ``h`` in FP32 (the wgmma's FP32 sums differ from the reference's in order, so a requantized
-  ``a`` / ``dh`` value next to an E2M1 midpoint can move a whole step; 1e-3 in the interpreter, whose
-  sums match the reference's more closely), 6e-2 with ``h`` in BF16 (the default);
+  ``a`` / ``dh`` value next to an E2M1 midpoint can move a whole step; 5e-3 in the interpreter, whose
+  sums match the reference's more closely; seen on the H200: <= 1.1e-3), 6e-2 with ``h`` in BF16
+  (the default);
 - no host syncs after warm-up; a CUDA graph replayed with four routings and a weight update; with
   stochastic rounding on, two replays of the same inputs give different gradients (the seed is drawn
   inside the graph) and the same ``y``.
