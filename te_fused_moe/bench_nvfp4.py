@@ -4,7 +4,6 @@ of each kernel of its fused path alone."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict
 
 import torch
@@ -22,7 +21,8 @@ def _kernels():
 
 class NVFP4Unfused(torch.autograd.Function):
     """NVFP4 without fusion: amax + quantize kernels, plain grouped GEMMs (BF16 out), PyTorch activation.
-    ``a`` and ``dh`` go through BF16 before their quantize pass, as separate kernels would pass them."""
+    ``a`` and ``dh`` go through BF16 before their quantize pass, as separate kernels would pass them.
+    The GEMMs read their operands as the fused path does (``autograd.EXPAND_BEFORE_GEMM``)."""
 
     @staticmethod
     def forward(ctx, x, counts, w1, w2, activation):
@@ -34,36 +34,41 @@ class NVFP4Unfused(torch.autograd.Function):
         T, H = x.shape
         E, n1, _ = w1.shape
         sched = build_schedule(counts, T, quantize.TILE)
+        expand = autograd.EXPAND_BEFORE_GEMM
+        rows, weight = autograd.gemm_rows, autograd.gemm_weight
         w1q, w2q = quantize.WEIGHT_CACHE.get(w1, weight_spec), quantize.WEIGHT_CACHE.get(w2, weight_spec)
         xq = quantize.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
         h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
-        gemm.launch("fc2", xq, w1q, n1, sched, E, c=h)
+        gemm.launch("fc2", rows(xq, expand, rowwise=True), weight(w1q, expand, False), n1, sched, E, c=h)
         a = act.forward(h.float()).to(x.dtype)
         aq = quantize.quantize_rows(a, sched, E, spec, rowwise=True, colwise=True)
         y = torch.empty(T, H, device=x.device, dtype=x.dtype)
-        gemm.launch("fc2", aq, w2q, H, sched, E, c=y)
+        gemm.launch("fc2", rows(aq, expand, rowwise=True), weight(w2q, expand, False), H, sched, E, c=y)
         ctx.save_for_backward(h, w1, w2)
-        ctx.state = (sched, w1q, w2q, xq, aq, act, grad_spec)
+        ctx.state = (sched, w1q, w2q, xq, aq, act, grad_spec, expand)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        _, gemm, quantize, wgrad = _kernels()
+        autograd, gemm, quantize, wgrad = _kernels()
         h, w1, w2 = ctx.saved_tensors
-        sched, w1q, w2q, xq, aq, act, spec = ctx.state
+        sched, w1q, w2q, xq, aq, act, spec, expand = ctx.state
+        rows, weight = autograd.gemm_rows, autograd.gemm_weight
         dy = dy.contiguous()
         T, H = dy.shape
         E, F = w1.shape[0], w2.shape[2]
         dyq = quantize.quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
         da = torch.empty(T, F, device=dy.device, dtype=dy.dtype)
-        gemm.launch("dgrad", dyq, w2q, F, sched, E, b_transposed=True, c=da)
+        gemm.launch("dgrad", rows(dyq, expand, rowwise=True), weight(w2q, expand, True), F, sched, E,
+                    b_transposed=True, c=da)
         dh = act.backward(h.float(), da.float()).to(dy.dtype)
         dhq = quantize.quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True)
         dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
-        gemm.launch("dgrad", dhq, w1q, H, sched, E, b_transposed=True, c=dx)
+        gemm.launch("dgrad", rows(dhq, expand, rowwise=True), weight(w1q, expand, True), H, sched, E,
+                    b_transposed=True, c=dx)
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        wgrad.nv_grouped_wgrad(dyq, aq, sched, dw2)
-        wgrad.nv_grouped_wgrad(dhq, xq, sched, dw1)
+        wgrad.nv_grouped_wgrad(rows(dyq, expand, colwise=True), rows(aq, expand, colwise=True), sched, dw2)
+        wgrad.nv_grouped_wgrad(rows(dhq, expand, colwise=True), rows(xq, expand, colwise=True), sched, dw1)
         return dx, None, dw1, dw2, None
 
 
@@ -71,21 +76,31 @@ def unfused(x, counts, w1, w2, activation):
     return NVFP4Unfused.apply(x, counts, w1, w2, activation)
 
 
-def fused_bf16_weights(x, counts, w1, w2, activation):
-    """The fused path with the weight cache holding BF16 expansions (``autograd.BF16_WEIGHT_VALUES``)."""
-    from .ops import fused_moe_mlp
+def fused_with(**flags):
+    """The fused path with module flags of ``nvfp4.autograd`` set for its forward (the backward reads
+    what the forward chose), e.g. ``EXPAND_BEFORE_GEMM=False``: the GEMMs expand in their K loops."""
+    def run(x, counts, w1, w2, activation):
+        from .ops import fused_moe_mlp
 
-    autograd = _kernels()[0]
-    default, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, True
-    try:
-        return fused_moe_mlp(x, counts, w1, w2, activation=activation, recipe=NVFP4BlockScaling(), backend="triton")
-    finally:
-        autograd.BF16_WEIGHT_VALUES = default
+        autograd = _kernels()[0]
+        defaults = {name: getattr(autograd, name) for name in flags}
+        for name, value in flags.items():
+            setattr(autograd, name, value)
+        try:
+            return fused_moe_mlp(x, counts, w1, w2, activation=activation, recipe=NVFP4BlockScaling(),
+                                 backend="triton")
+        finally:
+            for name, value in defaults.items():
+                setattr(autograd, name, value)
+
+    return run
 
 
 def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict[str, float]]:
     """Each kernel of the fused NVFP4 path alone: ms, TFLOP/s (GEMMs, and their share of the FP8
-    peak) or GB/s (quantize: the input read once by the amax pass and once by the quantize pass)."""
+    peak) or GB/s (quantize: the input read once by the amax pass and once by the quantize pass;
+    expansion: codes and scales read, BF16 values written). GEMMs both ways: expanding packed
+    operands in the K loop (``fc1_glu`` ...), and reading BF16 values (``..._values``)."""
     import triton
 
     from .backends.triton.schedule import build_schedule
@@ -132,20 +147,28 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
         "wgrad_w2": (lambda: wgrad.nv_grouped_wgrad(dyq, aq, sched, dw2), 2.0 * routed * H * F, None),
         "wgrad_w1": (lambda: wgrad.nv_grouped_wgrad(dhq, xq, sched, dw1), 2.0 * routed * n1 * H, None),
     }
-    # the same GEMMs reading the weights as exact BF16 expansions (NVSpec.bf16_values) instead of codes
-    w_bf16 = dataclasses.replace(weight_spec, bf16_values=True)
-    w1v, w2v = quantize.quantize_weight(w1, w_bf16), quantize.quantize_weight(w2, w_bf16)
+    # the default path (autograd.EXPAND_BEFORE_GEMM): an expansion pass writes BF16 values just before
+    # each GEMM, which then reads them instead of expanding packed codes in its K loop (above)
+    values = lambda q: quantize.with_values(q, rowwise=True, colwise=True)
+    both_layouts = lambda w: quantize.with_weight_values(quantize.with_weight_values(w, False), True)
+    xv, av, dyv, dhv = values(xq), values(aq), values(dyq), values(dhq)
+    w1v, w2v = both_layouts(w1q), both_layouts(w2q)
+    dprob_v = torch.empty(triton.cdiv(F, gemm.default_config("dact", True).block_n), T, device=x.device,
+                          dtype=torch.float32)
+    expand_bytes = lambda n: n * (0.5 + 1 / 16 + 2)  # codes and scales read, BF16 written
     kernels.update({
-        "quantize_weights_bf16_values": (lambda: (quantize.quantize_weight(w1, w_bf16),
-                                                  quantize.quantize_weight(w2, w_bf16)), None,
-                                         2 * (w1.numel() + w2.numel()) * 2.0),
-        "fc1_glu_bf16w": (lambda: gemm.launch("fc1", xq, w1v, F, sched, E, c=a, h=h, h_up_offset=F, b_up_rows=F, **kw),
-                          2.0 * routed * H * n1, None),
-        "fc2_bf16w": (lambda: gemm.launch("fc2", aq, w2v, H, sched, E, c=y), 2.0 * routed * F * H, None),
-        "fc2_dgrad_dglu_bf16w": (lambda: gemm.launch("dact", dyq, w2v, F, sched, E, b_transposed=True, c=dh,
-                                                     c_up_offset=F, h=h, h_up_offset=F, probs=probs, dprob=dprob,
-                                                     **kw), 2.0 * routed * H * F, None),
-        "fc1_dgrad_bf16w": (lambda: gemm.launch("dgrad", dhq, w1v, H, sched, E, b_transposed=True, c=dx),
-                            2.0 * routed * n1 * H, None),
+        "expand_x_row_col": (lambda: values(xq), None, 2 * expand_bytes(T * H)),
+        "expand_weights": (lambda: (both_layouts(w1q), both_layouts(w2q)), None,
+                           2 * expand_bytes(w1.numel() + w2.numel())),
+        "fc1_glu_values": (lambda: gemm.launch("fc1", xv, w1v, F, sched, E, c=a, h=h, h_up_offset=F, b_up_rows=F,
+                                               **kw), 2.0 * routed * H * n1, None),
+        "fc2_values": (lambda: gemm.launch("fc2", av, w2v, H, sched, E, c=y), 2.0 * routed * F * H, None),
+        "fc2_dgrad_dglu_values": (lambda: gemm.launch("dact", dyv, w2v, F, sched, E, b_transposed=True, c=dh,
+                                                      c_up_offset=F, h=h, h_up_offset=F, probs=probs,
+                                                      dprob=dprob_v, **kw), 2.0 * routed * H * F, None),
+        "fc1_dgrad_values": (lambda: gemm.launch("dgrad", dhv, w1v, H, sched, E, b_transposed=True, c=dx),
+                             2.0 * routed * n1 * H, None),
+        "wgrad_w2_values": (lambda: wgrad.nv_grouped_wgrad(dyv, av, sched, dw2), 2.0 * routed * H * F, None),
+        "wgrad_w1_values": (lambda: wgrad.nv_grouped_wgrad(dhv, xv, sched, dw1), 2.0 * routed * n1 * H, None),
     })
     return bench.time_kernels(kernels, fp8_peak)

@@ -206,13 +206,20 @@ for _recipe in RECIPES:
     IMPLEMENTATIONS[f"{_recipe}_fused"] = _fused(_recipe)
 
 
-def _nvfp4_fused_bf16_weights(x, counts, w1, w2, activation):
-    from .bench_nvfp4 import fused_bf16_weights
+def _nvfp4_fused_with(**flags):
+    def run(x, counts, w1, w2, activation):
+        from .bench_nvfp4 import fused_with
 
-    return fused_bf16_weights(x, counts, w1, w2, activation)
+        return fused_with(**flags)(x, counts, w1, w2, activation)
+
+    return run
 
 
-IMPLEMENTATIONS["nvfp4_fused_bf16_weights"] = _nvfp4_fused_bf16_weights
+# NVFP4 variants: the GEMMs expanding their packed operands in the K loop (no transient values), and
+# the weight cache holding the weights' BF16 values
+NVFP4_VARIANTS = {"nvfp4_fused_k_loop": _nvfp4_fused_with(EXPAND_BEFORE_GEMM=False),
+                  "nvfp4_fused_bf16_weights": _nvfp4_fused_with(BF16_WEIGHT_VALUES=True)}
+IMPLEMENTATIONS.update(NVFP4_VARIANTS)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in
 # _scaled_grouped_mm on the H200 (torch 2.11, GroupMMCommon.cuh:64, "dynamic dimension byte size ...
 # multiple of 16"), which kills the CUDA context and the whole run; the wgrad operands are now padded
@@ -227,7 +234,7 @@ def selected_implementations(recipes=tuple(RECIPES), with_scaled_grouped_mm: boo
     ``torch._scaled_grouped_mm``."""
     keep = {"bf16_unfused", "bf16_fused"} | {f"{r}_{kind}" for r in recipes for kind in ("unfused", "fused")}
     if "nvfp4" in recipes:
-        keep.add("nvfp4_fused_bf16_weights")
+        keep.update(NVFP4_VARIANTS)
     chosen = {name: fn for name, fn in IMPLEMENTATIONS.items() if name in keep}
     if with_scaled_grouped_mm:
         chosen.update(SCALED_GROUPED_MM)

@@ -25,7 +25,8 @@ def have_tools() -> bool:
 def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4) -> dict:
     """Compiles jit function ``fn`` for sm_90a (arguments not in ``types`` are i32, ``consts`` are
     constexprs). Returns its stack (spill) bytes, its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma
-    counts and, when it has wgmma, whether its K loop was found and the spill loads/stores inside it."""
+    counts, its dynamic shared memory bytes and, when it has wgmma, whether its K loop was found and
+    the spill loads/stores inside it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,7 +49,7 @@ def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: in
         sass = subprocess.run([os.path.join(tools_dir(), "nvdisasm"), path], capture_output=True, text=True,
                               check=True).stdout.splitlines()
     out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
-           "hgmma": sum("HGMMA" in l for l in sass)}
+           "hgmma": sum("HGMMA" in l for l in sass), "shared": k.metadata.shared}
     # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
     mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
     if mma:

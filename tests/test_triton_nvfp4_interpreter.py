@@ -46,6 +46,7 @@ if __name__ != "__main__":
     pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
 
 TIGHT, RAGGED_RHT, LOOSE, SR_NOISE = 5e-3, 1e-2, 6e-2, 0.5
+SM90_MAX_SHARED = 227 * 1024  # shared memory one block may use on sm_90
 
 # (id, T, H, F, E, activation, bias, probs, counts or routing, padding, h_fp32, tma, frozen, recipe options)
 MLP_CASES = [
@@ -60,7 +61,12 @@ MLP_CASES = [
     ("swiglu-T0", 0, 128, 128, 2, "swiglu", True, True, [0, 0], 0, True, True, (), {}),
     # the weight cache's BF16 expansions read by the GEMMs instead of the packed weights
     ("swiglu-x16-bf16w", 300, 256, 128, 3, "swiglu", True, True, [96, 0, 160], 44, True, True, (), {}),
+    # the GEMMs expanding their packed operands in the K loop (autograd.EXPAND_BEFORE_GEMM off)
+    ("swiglu-ragged-rht-kloop", 300, 256, 128, 3, "swiglu", True, True, [100, 37, 163], 0, True, True, (), {}),
+    ("gelu-frozen-x-kloop", 170, 128, 128, 3, "gelu", True, True, [64, 0, 96], 10, True, False, ("x", "probs"), {}),
 ]
+# module flags of nvfp4.autograd that a case id's suffix sets for that case
+CASE_FLAGS = {"-bf16w": {"BF16_WEIGHT_VALUES": True}, "-kloop": {"EXPAND_BEFORE_GEMM": False}}
 SR_CASE = ("swiglu-sr", 300, 256, 128, 3, "swiglu", True, True, [96, 32, 128], 44, True, True, (),
            dict(disable_stochastic_rounding=False))
 
@@ -195,6 +201,29 @@ def split_order(t: torch.Tensor, block: int = 128) -> torch.Tensor:
     return torch.cat((blocks[..., 0], blocks[..., 1]), dim=2).reshape(r, c)
 
 
+def _values_mismatches(q, counts) -> dict:
+    """Mismatches of ``quantize.with_values(q)`` (the BF16 values an expansion pass writes before a
+    GEMM) against each code times its block scale, in split order: rowwise, and columnwise over the
+    slots of the tiles in use."""
+    from te_fused_moe.backends.triton.nvfp4.quantize import with_values
+    from te_fused_moe.quantize import formats, nvfp4
+
+    def expected(data, scale):
+        codes = formats.decode(nvfp4.unpack_e2m1(data.cpu(), 1, 2 * data.shape[1]), formats.E2M1)
+        return split_order(codes * formats.decode(scale.cpu(), formats.E4M3).repeat_interleave(16, 1))
+
+    v = with_values(q, rowwise=q.data is not None, colwise=q.data_t is not None)
+    bad = {"values": 0, "values_t": 0}
+    if q.data is not None:
+        bad["values"] = int((v.values.float().cpu() != expected(q.data, q.scale)).sum())
+    if q.data_t is not None:
+        got, want = v.values_t.float().cpu(), expected(q.data_t, q.scale_t.t())
+        for _, _, n, tile in _expert_slices(counts):
+            used = slice(128 * tile, 128 * (tile + -(-n // 128)))
+            bad["values_t"] += int((got[:, used] != want[:, used]).sum())
+    return bad
+
+
 def check_quantize_kernels(device: str) -> dict:
     """Per case, mismatch counts of every output of quantize_rows / quantize_weight."""
     from te_fused_moe.backends.triton.nvfp4.quantize import TILE, NVSpec, quantize_rows, quantize_weight
@@ -229,7 +258,7 @@ def check_quantize_kernels(device: str) -> dict:
         xd = x.to(device)
         q = quantize_rows(xd, sched, len(counts), spec, rowwise=not name.startswith("colwise_only"), colwise=True,
                           random_bits=tuple(b.to(device) for b in bits) if bits else None)
-        out[name] = _rows_mismatches(q, x, counts, spec, bits)
+        out[name] = {**_rows_mismatches(q, x, counts, spec, bits), **_values_mismatches(q, counts)}
     w = torch.randn(2, 256, 384, generator=g)
     w[1, 17, 200] = 40.0  # one tile's outlier
     for block_2d in (True, False):
@@ -335,11 +364,16 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=torch.bfloat16)
     recipe = NVFP4BlockScaling(**{"disable_stochastic_rounding": True, **options})
     alloc = (lambda *a, **k: poison_(torch.empty(*a, **k))) if poison else torch.empty
-    default, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, case[0].endswith("bf16w")
+    flags = {name: value for suffix, named in CASE_FLAGS.items() if case[0].endswith(suffix)
+             for name, value in named.items()}
+    defaults = {name: getattr(autograd, name) for name in flags}
     try:
+        for name, value in flags.items():
+            setattr(autograd, name, value)
         res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
     finally:
-        autograd.BF16_WEIGHT_VALUES = default
+        for name, value in defaults.items():
+            setattr(autograd, name, value)
     res["seed"] = seed
     return res
 
@@ -399,32 +433,35 @@ def sm90_build_report() -> dict:
     ptrs = dict(as_ptr="*u8", bs_ptr="*u8", amax_a_ptr="*fp32", amax_b_ptr="*fp32", c_ptr="*bf16", h_ptr="*bf16",
                 bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32", limit="fp32")
     report = {}
-    for name, kind, gated, act, b_bf16 in (("fc1_swiglu", "fc1", True, "swiglu", False),
-                                           ("fc1_srelu", "fc1", False, "srelu", False),
-                                           ("fc2", "fc2", False, "swiglu", False),
-                                           ("dact_gptoss", "dact", True, "gpt_oss_swiglu", False),
-                                           ("dgrad", "dgrad", False, "swiglu", False),
-                                           ("fc1_swiglu_bf16w", "fc1", True, "swiglu", True),
-                                           ("dgrad_bf16w", "dgrad", False, "swiglu", True)):
-        cfg = gemm.default_config(kind)
+    for name, kind, gated, act, a_bf16, b_bf16 in (
+            ("fc1_swiglu", "fc1", True, "swiglu", False, False), ("fc1_srelu", "fc1", False, "srelu", False, False),
+            ("fc2", "fc2", False, "swiglu", False, False), ("dact_gptoss", "dact", True, "gpt_oss_swiglu", False, False),
+            ("dgrad", "dgrad", False, "swiglu", False, False), ("fc1_swiglu_bf16w", "fc1", True, "swiglu", False, True),
+            ("dgrad_bf16w", "dgrad", False, "swiglu", False, True),
+            # both operands' BF16 values, expanded before the GEMM (the default path)
+            ("fc1_swiglu_values", "fc1", True, "swiglu", True, True), ("fc2_values", "fc2", False, "swiglu", True, True),
+            ("dact_swiglu_values", "dact", True, "swiglu", True, True),
+            ("dgrad_values", "dgrad", False, "swiglu", True, True)):
+        cfg = gemm.default_config(kind, a_bf16)
         mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
-        b_box = f"{'bf16' if b_bf16 else 'u8'}[{cfg.block_n}, {gemm.BLOCK_K // 2}]"
-        types = dict(ptrs, a_src=f"tensordesc<u8[128, {gemm.BLOCK_K // 2}]>", b_src=f"tensordesc<{b_box}>")
+        box = lambda bf16, rows: f"tensordesc<{'bf16' if bf16 else 'u8'}[{rows}, {gemm.BLOCK_K // 2}]>"
+        types = dict(ptrs, a_src=box(a_bf16, 128), b_src=box(b_bf16, cfg.block_n))
         if mode != gemm.MODE_PLAIN:
             types["c_ptr"] = "*fp32"
         consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
                       WRITE_DPROB=mode == gemm.MODE_DACT, USE_TMA=True, UPCAST=False,
-                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, B_BF16=b_bf16, BM=128,
-                      BN=cfg.block_n,
-                      BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
+                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, A_BF16=a_bf16, B_BF16=b_bf16,
+                      BM=128, BN=cfg.block_n, BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
         report[name] = build(gemm.nv_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
-    wc = W.default_config()
-    report["wgrad"] = build(W.nv_wgrad_kernel, dict(g_src=f"tensordesc<u8[{wc.block_n}, 64]>",
-                                                    x_src=f"tensordesc<u8[{wc.block_k}, 64]>", gs_ptr="*u8",
-                                                    xs_ptr="*u8", amax_g_ptr="*fp32", amax_x_ptr="*fp32",
-                                                    dw_ptr="*bf16", sched_ptr="*i32"),
-                            dict(USE_TMA=True, UPCAST=False, BN=wc.block_n, BK=wc.block_k, BT=128, GROUP_N=wc.group_n),
-                            wc.num_warps, wc.num_stages)
+    for bf16 in (False, True):
+        wc = W.default_config(bf16)
+        elem = "bf16" if bf16 else "u8"
+        report["wgrad_values" if bf16 else "wgrad"] = build(
+            W.nv_wgrad_kernel, dict(g_src=f"tensordesc<{elem}[{wc.block_n}, 64]>",
+                                    x_src=f"tensordesc<{elem}[{wc.block_k}, 64]>", gs_ptr="*u8", xs_ptr="*u8",
+                                    amax_g_ptr="*fp32", amax_x_ptr="*fp32", dw_ptr="*bf16", sched_ptr="*i32"),
+            dict(USE_TMA=True, UPCAST=False, BF16=bf16, BN=wc.block_n, BK=wc.block_k, BT=128, GROUP_N=wc.group_n),
+            wc.num_warps, wc.num_stages)
     report["amax_rht"] = build(Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32",
                                                          sched_ptr="*i32"),
                                dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
@@ -441,8 +478,7 @@ def sm90_build_report() -> dict:
     report["quantize_weight_2d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
                                                                         s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
                                          dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128))
-    report["expand_weight"] = build(Q.expand_weight_kernel, dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16"),
-                                    dict(UPCAST=False, BLK=128))
+    report["expand"] = build(Q.expand_kernel, dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16"), dict(UPCAST=False, BLK=128))
     return report
 
 
@@ -480,6 +516,7 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
         if name.startswith(("fc", "dact", "dgrad", "wgrad")):
             assert r["qgmma"] == 0 and r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
         assert r["stack"] <= (512 if name.startswith("fc1") else 0), (name, r)
+        assert r["shared"] <= SM90_MAX_SHARED, (name, r)  # else the launch fails on the GPU
 
 
 def test_codec_is_bit_exact(results):

@@ -72,6 +72,9 @@ GPU_CASES = [
      dict(disable_rht=True, disable_2d_quantization=True)),
     ("swiglu-zipf-hbf16", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (), {}),
     ("gptoss-ragged-bf16w", 4096, 512, 256, 8, "gpt_oss_swiglu", True, True, "balanced", 30, True, True, (), {}),
+    # the GEMMs expanding packed operands in their K loops (autograd.EXPAND_BEFORE_GEMM off), TMA and pointers
+    ("swiglu-zipf-kloop", 4096, 512, 256, 16, "swiglu", True, True, "zipf", 40, True, True, (), {}),
+    ("geglu-ragged-ptr-kloop", 2048, 384, 256, 4, "geglu", True, True, "balanced", 3, True, False, ("x",), {}),
 ]
 
 

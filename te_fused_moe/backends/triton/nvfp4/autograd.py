@@ -17,6 +17,10 @@ E2M1 rounding boundary by one step; ``h`` saved in ``block_scaled.H_DTYPE``; and
 rounding draws its bits from Philox on the device instead of PyTorch's generator (same
 distribution, different draws).
 
+Every GEMM reads exact BF16 expansions of its operands (codes times block scales), written by an
+expansion pass just before it and dropped after it (``EXPAND_BEFORE_GEMM``; saved tensors and the
+weight cache stay packed), or expands the packed codes in its K loop (``gemm`` module doc).
+
 Why the activations are not quantized in the GEMM epilogues as the FP8 recipes do: NVFP4's
 per-tensor scale needs the amax of the expert's whole slice before any element is encoded, so each
 of ``x``, ``a``, ``dy``, ``dh`` costs one FP32 write (``a``, ``dh``), an amax read and a quantize read.
@@ -34,13 +38,28 @@ from ..block_scaled import empty_input_grads, new_buffer
 from ..fp8_block.wgrad import tile_sums_to_experts
 from ..schedule import build_schedule, max_m_tiles
 from . import gemm
-from .quantize import TILE, WEIGHT_CACHE, NVSpec, quantize_rows, quantize_weight
+from .quantize import TILE, WEIGHT_CACHE, NVSpec, quantize_rows, quantize_weight, with_values, with_weight_values
 from .wgrad import nv_grouped_wgrad
 
 
-# The weight cache keeps BF16 expansions of the weights (the GEMMs then expand only the activation
-# operand in their K loops) at twice the BF16 weights' bytes, or only the packed codes.
+# How the GEMMs read NVFP4 operands (Hopper has no FP4 tensor cores; an E2M1 code times its E4M3
+# block scale is exact in BF16). True: an expansion pass writes each operand's BF16 values just
+# before the GEMM that reads them, and the GEMM runs as a BF16 GEMM (the values are transient: the
+# saved tensors and the weight cache stay packed). False: each GEMM expands its packed operands in
+# its K loop, which on the H200 bounds those loops (run 14: 90-190 TFLOP/s).
+EXPAND_BEFORE_GEMM = True
+# The weight cache also keeps BF16 expansions of the weights, at twice the BF16 weights' bytes.
 BF16_WEIGHT_VALUES = False
+
+
+def gemm_rows(q, expand: bool, rowwise: bool = False, colwise: bool = False):
+    """``q`` as the next GEMM reads it: with transient BF16 values of the asked copies if ``expand``."""
+    return with_values(q, rowwise, colwise, block_scaled.ALLOC) if expand else q
+
+
+def gemm_weight(w, expand: bool, transposed: bool):
+    """The weight ``w`` as the next GEMM reads it (``transposed``: its ``data_t`` copy)."""
+    return with_weight_values(w, transposed, block_scaled.ALLOC) if expand else w
 
 
 def specs_of(recipe):
@@ -63,6 +82,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec = act, grad_spec
+        ctx.expand = expand = EXPAND_BEFORE_GEMM  # backward reads its operands the same way
         ctx.empty = num_rows == 0
         if ctx.empty:
             ctx.save_for_backward(x, w1, w2, probs)
@@ -73,10 +93,12 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         xq = quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=block_scaled.ALLOC)
         h = new_buffer((num_rows, n1), x, block_scaled.H_DTYPE or x.dtype)
         a = new_buffer((num_rows, ffn), x, torch.float32)
-        gemm.launch("fc1", xq, w1q, ffn, schedule, num_experts, c=a, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1,
-                    bias_up_offset=ffn, probs=probs, **act)
+        gemm.launch("fc1", gemm_rows(xq, expand, rowwise=True), gemm_weight(w1q, expand, False), ffn, schedule,
+                    num_experts, c=a, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs,
+                    **act)
         aq = quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=block_scaled.ALLOC)
-        gemm.launch("fc2", aq, w2q, hidden, schedule, num_experts, c=y, bias=b2)
+        gemm.launch("fc2", gemm_rows(aq, expand, rowwise=True), gemm_weight(w2q, expand, False), hidden, schedule,
+                    num_experts, c=y, bias=b2)
         ctx.save_for_backward(w1, w2, probs, h)
         ctx.x_shape = x.shape
         ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
@@ -89,7 +111,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         if ctx.empty:
             return empty_input_grads(need, *ctx.saved_tensors)[:9]
         w1, w2, probs, h = ctx.saved_tensors
-        spec, schedule, alloc = ctx.grad_spec, ctx.schedule, block_scaled.ALLOC
+        spec, schedule, alloc, expand = ctx.grad_spec, ctx.schedule, block_scaled.ALLOC, ctx.expand
         dy = dy.contiguous()
         num_rows, hidden = ctx.x_shape
         num_experts, n1, _ = w1.shape
@@ -104,10 +126,11 @@ class NVFP4ExpertMLP(torch.autograd.Function):
                             col_sums=db2_parts)
         if need_dact:
             dh = new_buffer((num_rows, n1), w1, torch.float32)
-            cfg = gemm.default_config("dact")
+            cfg = gemm.default_config("dact", expand)
             dprob_buf = new_buffer((triton.cdiv(ffn, cfg.block_n), num_rows), w1, torch.float32) if want_dprob else None
-            gemm.launch("dact", dyq, ctx.w2q, ffn, schedule, num_experts, b_transposed=True, c=dh, c_up_offset=ffn,
-                        h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf, config=cfg, **ctx.act)
+            gemm.launch("dact", gemm_rows(dyq, expand, rowwise=True), gemm_weight(ctx.w2q, expand, True), ffn,
+                        schedule, num_experts, b_transposed=True, c=dh, c_up_offset=ffn, h=h, h_up_offset=ffn,
+                        probs=probs, dprob=dprob_buf, config=cfg, **ctx.act)
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
             db1_parts = new_buffer((m_tiles, n1), w1, torch.float32) if need[4] else None
@@ -118,16 +141,19 @@ class NVFP4ExpertMLP(torch.autograd.Function):
                 tile_sums_to_experts(db1_parts, schedule, db1)
         if need[0]:
             dx = new_buffer((num_rows, hidden), w1)
-            gemm.launch("dgrad", dhq, ctx.w1q, hidden, schedule, num_experts, b_transposed=True, c=dx)
+            gemm.launch("dgrad", gemm_rows(dhq, expand, rowwise=True), gemm_weight(ctx.w1q, expand, True), hidden,
+                        schedule, num_experts, b_transposed=True, c=dx)
         if need[3]:
             dw2 = new_buffer(w2.shape, w2)
-            nv_grouped_wgrad(dyq, ctx.aq, schedule, dw2)
+            nv_grouped_wgrad(gemm_rows(dyq, expand, colwise=True), gemm_rows(ctx.aq, expand, colwise=True), schedule,
+                             dw2)
         if need[5]:
             db2 = new_buffer((num_experts, hidden), w1)
             tile_sums_to_experts(db2_parts, schedule, db2)
         if need[2]:
             dw1 = new_buffer(w1.shape, w1)
-            nv_grouped_wgrad(dhq, ctx.xq, schedule, dw1)
+            nv_grouped_wgrad(gemm_rows(dhq, expand, colwise=True), gemm_rows(ctx.xq, expand, colwise=True), schedule,
+                             dw1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None
 
 

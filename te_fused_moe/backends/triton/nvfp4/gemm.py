@@ -4,12 +4,19 @@
 scales ``sa`` [T, K/16], one tensor amax per group ``amax_a`` [E + 1]) and ``B_e`` [N, K] NVFP4,
 K-major (``[E, N, K/2]``, scales ``[E, N, K/16]``, ``amax_b`` [E]).
 
-Hopper has neither FP4 nor block-scaled tensor cores, so every K step of 128 expands both operands
-in registers — E2M1 code times its E4M3 block scale, which is exact in BF16 (2 + 4 significant bits
-fit 8) — as two halves (even and odd elements: ``codec.e2m1_expand_halves``) and runs one BF16
-wgmma per half into the loop-carried FP32 accumulator. With ``NVSpec.bf16_values`` the weight cache
-holds B already expanded (each 128-wide K block stored even elements first), so only A is
-expanded in the loop. The two tensor scales are one FP32 factor per tile,
+Hopper has neither FP4 nor block-scaled tensor cores. An E2M1 code times its E4M3 block scale is
+exact in BF16 (2 + 4 significant bits fit 8), so every GEMM runs BF16 wgmma on exact expansions,
+taken per operand one of two ways (``A_BF16`` / ``B_BF16``):
+
+- read as BF16 values that an expansion pass wrote just before the GEMM (``quantize.expand_values``;
+  the default, ``autograd.EXPAND_BEFORE_GEMM``) or that the weight cache holds (``NVSpec.bf16_values``):
+  the K loop is a plain BF16 GEMM's (run 15 on the H200: 365-620 TFLOP/s);
+- expanded from packed codes in the K loop, per K step of 128, as two halves (even and odd elements:
+  ``codec.e2m1_expand_halves``), one BF16 wgmma per half: no extra bytes, but the expansion in the
+  MMA warps bounds the loop (run 14: 90-190 TFLOP/s).
+
+Expanded values are stored in the same split order (each 128-wide K block even elements first), so
+any mix of the two pairs the halves alike. The two tensor scales are one FP32 factor per tile,
 ``(amax_a / 2688) * (amax_b / 2688)``, applied in the epilogue. That is
 the Blackwell block-scaled MMA's product up to the order of FP32 sums (the reference dequantizes
 each element with the factor rounded in; the difference is FP32 rounding).
@@ -53,42 +60,52 @@ class NVGemmConfig:
     split_epilogue: bool = True  # dGLU epilogue in two 64-column halves (register pressure)
 
 
-def default_config(kind: str) -> NVGemmConfig:
-    """BM = 128 (schedule tiles), BK = 128. FC1 at BN = 128 (as MXFP8's expansion loop measured
-    best, ``mxfp8.gemm.default_config``); the others at BN = 64. All at 8 warps: at 4, FC2 and the
-    dgrad spilled in their K loops (offline sm_90a build, run 14)."""
+def default_config(kind: str, bf16_operands: bool = False) -> NVGemmConfig:
+    """BM = 128 (schedule tiles), BK = 128, 8 warps (at 4, FC2 and the dgrad spilled in their K loops:
+    offline sm_90a build, run 14). Expanding in the K loop: FC1 at BN = 128 (as MXFP8's expansion
+    loop measured best, ``mxfp8.gemm.default_config``), the others at BN = 64. Reading BF16 values
+    (``bf16_operands``), measured at DSv3 on the H200 (run 15): FC2 / FC1 dgrad at BN = 128, 3 stages
+    (577 / 618 TFLOP/s; 380-430 at BN = 64 or 256 or 2 stages); FC1 at BN = 64, 3 stages (527; 448 at
+    BN = 128, where its two B tiles leave shared memory for two stages only); the dGLU at BN = 64,
+    4 stages (365; at 128 its epilogue spills: sm_90a ptxas)."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
     if interpreting():
         return NVGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1)
+    if bf16_operands:
+        if kind == "fc1":
+            return NVGemmConfig(block_n=64, num_warps=8, num_stages=3)
+        if kind == "dact":
+            return NVGemmConfig(block_n=64, num_warps=8, num_stages=4)
+        return NVGemmConfig(block_n=128, num_warps=8, num_stages=3)
     if kind == "fc1":
         return NVGemmConfig(block_n=128, num_warps=8, num_stages=3)
     return NVGemmConfig(block_n=64, num_warps=8, num_stages=4)
 
 
 @triton.jit
-def _b_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-              B_BF16: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """B's K step ``kt`` as (even, odd) [BN, BK / 2] halves: two loads of the weight cache's BF16 values
-    (stored even elements first in each BK block, ``quantize.quantize_weight``), or one load of
-    packed codes expanded here with their scales."""
-    if B_BF16:
+def operand_halves(src, ptrs, row, kt, s_ptrs, kb, stride_sk, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                   BF16: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr):
+    """An operand's K step ``kt`` (``ROWS`` rows from ``row``) as (even, odd) [ROWS, BK / 2] halves: two
+    loads of BF16 values stored even elements first in each BK block (``quantize.expand_values``), or
+    one load of packed codes expanded here with their scales (``s_ptrs``: the rows' scale pointers)."""
+    if BF16:
         if USE_TMA:
-            even = b_src.load([b_row, kt * BK])
-            odd = b_src.load([b_row, kt * BK + BK // 2])
+            even = src.load([row, kt * BK])
+            odd = src.load([row, kt * BK + BK // 2])
         else:
-            even = tl.load(b_ptrs + kt * BK)
-            odd = tl.load(b_ptrs + kt * BK + BK // 2)
+            even = tl.load(ptrs + kt * BK)
+            odd = tl.load(ptrs + kt * BK + BK // 2)
         if UPCAST:
             return even.to(tl.float32), odd.to(tl.float32)
         else:
             return even, odd
     else:
         if USE_TMA:
-            b = b_src.load([b_row, kt * (BK // 2)])
+            packed = src.load([row, kt * (BK // 2)])
         else:
-            b = tl.load(b_ptrs + kt * (BK // 2))
-        return e2m1_expand_halves(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
+            packed = tl.load(ptrs + kt * (BK // 2))
+        return e2m1_expand_halves(packed, tl.load(s_ptrs[:, None] + kb[None, :] * stride_sk), ROWS, BK, UPCAST)
 
 
 @triton.jit
@@ -103,7 +120,8 @@ def nv_grouped_gemm_kernel(
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, B_BF16: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, A_BF16: tl.constexpr,
+    B_BF16: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -121,7 +139,8 @@ def nv_grouped_gemm_kernel(
     sa_ptrs = as_ptr + rows_in * stride_asm
     sb_ptrs = bs_ptr + e64 * stride_bse + cols_in * stride_bsn
     if USE_TMA:
-        b_ptrs = 0  # unused: the descriptors address the tiles
+        a_ptrs = 0  # unused: the descriptors address the tiles
+        b_ptrs = 0
     else:
         a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
@@ -131,18 +150,16 @@ def nv_grouped_gemm_kernel(
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for kt in range(0, tl.where(is_padding, 0, K // BK)):
         kb = kt * (BK // 16) + tl.arange(0, BK // 16)
-        if USE_TMA:
-            a = a_src.load([a_row, kt * (BK // 2)])
-        else:
-            a = tl.load(a_ptrs + kt * (BK // 2))
-        a_even, a_odd = e2m1_expand_halves(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
-        b_even, b_odd = _b_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA, UPCAST, B_BF16, BN, BK)
+        a_even, a_odd = operand_halves(a_src, a_ptrs, a_row, kt, sa_ptrs, kb, stride_ask, USE_TMA, UPCAST, A_BF16, BM,
+                                       BK)
+        b_even, b_odd = operand_halves(b_src, b_ptrs, b_row, kt, sb_ptrs, kb, stride_bsk, USE_TMA, UPCAST, B_BF16,
+                                       BN, BK)
         acc = tl.dot(a_even, tl.trans(b_even), acc)
         acc = tl.dot(a_odd, tl.trans(b_odd), acc)
         if GATED and MODE == 1:
-            up_even, up_odd = _b_halves(b_src, b_ptrs + b_up_rows * stride_bn, b_row + b_up_rows, kt,
-                                        sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, USE_TMA, UPCAST, B_BF16,
-                                        BN, BK)
+            up_even, up_odd = operand_halves(b_src, b_ptrs + b_up_rows * stride_bn, b_row + b_up_rows, kt,
+                                             sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, USE_TMA, UPCAST,
+                                             B_BF16, BN, BK)
             acc_up = tl.dot(a_even, tl.trans(up_even), acc_up)
             acc_up = tl.dot(a_odd, tl.trans(up_odd), acc_up)
 
@@ -201,7 +218,7 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     in PLAIN mode, FP32 ``a`` for FC1, FP32 ``dh`` for DACT, its up half at ``c_up_offset``).
     ``dprob``: FP32 ``[n / block_n, T]`` partials."""
     mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
-    cfg = config or default_config(kind)
+    cfg = config or default_config(kind, a.values is not None)
     a_data, a_scale = a.data, a.scale
     b_data, b_scale = (b.data_t, b.scale_t) if b_transposed else (b.data, b.scale)
     b_values = b.values_t if b_transposed else b.values
@@ -211,7 +228,10 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     if k % BLOCK_K or n % TILE or b_data.shape[2] * 2 != k:
         raise ValueError(f"NVFP4 GEMM: K={k} (b: {2 * b_data.shape[2]}) must match and be a multiple of {BLOCK_K}, "
                          f"N={n} of {TILE}")
-    if b_values is not None:  # the weight cache's exact BF16 expansion: no expansion of B in the K loop
+    # exact BF16 expansions written before the GEMM (or held by the weight cache): no expansion in the K loop
+    if a.values is not None:
+        a_data = a.values
+    if b_values is not None:
         b_data = b_values
     if n % cfg.block_n:
         raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
@@ -233,7 +253,8 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_experts + 1,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated, HAS_BIAS=bias is not None, HAS_PROBS=probs is not None,
         WRITE_DPROB=dprob is not None, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, B_BF16=b_values is not None, BM=TILE,
+        SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, A_BF16=a.values is not None,
+        B_BF16=b_values is not None, BM=TILE,
         BN=cfg.block_n, BK=BLOCK_K,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -20,6 +20,10 @@ element ``2j`` in the low nibble; scales are uint8 E4M3 codes):
   the transposed copy holds the same codes and scales transposed; every row of a tile repeats the
   tile's scale, so the GEMMs read one layout for both block shapes.
 
+BF16 values (``expand_values``, ``with_values``): each code times its E4M3 block scale (exact; the
+tensor scale stays apart), the layouts above with K (or the tokens) unpacked and each 128-wide block
+stored even elements first, as the GEMMs' split dots pair them.
+
 Gradients may be rounded stochastically: 8 bits per element from Philox (``tl.randint``) keyed by
 a seed drawn on the device (graph-safe), or from given ``random_bits`` (tests: bit-exact against
 ``quantize.nvfp4`` with the same bits).
@@ -73,6 +77,10 @@ class NVRows:
     data_t: Optional[torch.Tensor] = None  # [K, 64 * max_m_tiles] uint8
     scale_t: Optional[torch.Tensor] = None  # [8 * max_m_tiles, K] uint8 E4M3
     amax_t: Optional[torch.Tensor] = None  # [E + 1] float32 (of the transformed values with RHT)
+    # bf16 codes x block scales (no tensor scale), each 128-wide block stored even elements first:
+    # transient copies that ``with_values`` writes just before a GEMM reads them (never saved)
+    values: Optional[torch.Tensor] = None  # [T, K]
+    values_t: Optional[torch.Tensor] = None  # [K, 128 * max_m_tiles]
 
 
 @dataclasses.dataclass
@@ -291,22 +299,24 @@ def quantize_weight_kernel(
 
 
 @triton.jit
-def expand_weight_kernel(q_ptr, s_ptr, stride_se, stride_sn, stride_sk, v_ptr, N, K, UPCAST: tl.constexpr,
-                         BLK: tl.constexpr):
-    """One BLK x BLK tile of packed weights ``q[e]`` [N, K/2] (scales ``s[e]`` [N, K/16], any strides)
-    as exact BF16 values ``v[e]`` [N, K], each BLK-wide K block stored even elements first (the
-    order of the GEMMs' split dots)."""
-    e = tl.program_id(0)
+def expand_kernel(q_ptr, stride_qe, stride_qr, s_ptr, stride_se, stride_sr, stride_sb, v_ptr, stride_ve, stride_vr,
+                  ROWS, UPCAST: tl.constexpr, BLK: tl.constexpr):
+    """One BLK x BLK tile of packed codes ``q[e]`` [ROWS, C/2] (scale codes ``s[e]`` [ROWS, C/16], any
+    strides) as exact BF16 values ``v[e]`` [ROWS, C], each BLK-wide block of C stored even elements
+    first (the order of the GEMMs' split dots). Rows past ``ROWS`` are left alone."""
+    e = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLK + tl.arange(0, BLK)
-    pid_k = tl.program_id(2)
+    pid_c = tl.program_id(2)
+    row_ok = (rows < ROWS)[:, None]
+    rows64 = rows.to(tl.int64)[:, None]
     half = tl.arange(0, BLK // 2)[None, :]
-    packed = tl.load(q_ptr + e.to(tl.int64) * N * (K // 2) + rows[:, None] * (K // 2) + pid_k * (BLK // 2) + half)
-    kb = pid_k * (BLK // 16) + tl.arange(0, BLK // 16)
-    sc = tl.load(s_ptr + e * stride_se + rows[:, None] * stride_sn + kb[None, :] * stride_sk)
+    packed = tl.load(q_ptr + e * stride_qe + rows64 * stride_qr + pid_c * (BLK // 2) + half, mask=row_ok, other=0)
+    cb = pid_c * (BLK // 16) + tl.arange(0, BLK // 16)
+    sc = tl.load(s_ptr + e * stride_se + rows64 * stride_sr + cb[None, :] * stride_sb, mask=row_ok, other=0)
     even, odd = e2m1_expand_halves(packed, sc, BLK, BLK, UPCAST)
-    v = v_ptr + e.to(tl.int64) * N * K + rows[:, None] * K + pid_k * BLK + half
-    tl.store(v, even.to(tl.bfloat16))
-    tl.store(v + BLK // 2, odd.to(tl.bfloat16))
+    v = v_ptr + e * stride_ve + rows64 * stride_vr + pid_c * BLK + half
+    tl.store(v, even.to(tl.bfloat16), mask=row_ok)
+    tl.store(v + BLK // 2, odd.to(tl.bfloat16), mask=row_ok)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -419,12 +429,52 @@ def quantize_weight(w: torch.Tensor, spec: NVSpec, *, transposed: bool = True, a
             n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, BLK=TILE,
             num_warps=4 if interpreting() else 8,
         )
-        for q, s, v, rows, width in ((data, scale, values, n, k), (data_t, scale_t, values_t, k, n)):
+        for q, s, v in ((data, scale, values), (data_t, scale_t, values_t)):
             if v is not None:
-                expand_weight_kernel[(e, rows // TILE, width // TILE)](
-                    q, s, s.stride(0), s.stride(1), s.stride(2), v, rows, width, UPCAST=interpreting(), BLK=TILE,
-                    num_warps=4 if interpreting() else 8)
+                expand_values(q, s, out=v)
     return NVWeight(data, scale, data_t, scale_t, amax, values, values_t)
+
+
+def expand_values(data: torch.Tensor, scale: torch.Tensor, out: Optional[torch.Tensor] = None,
+                  alloc=torch.empty) -> torch.Tensor:
+    """BF16 values (codes x E4M3 block scales, split order; see :func:`expand_kernel`) of packed
+    ``data`` [(E,) R, C/2] with scale codes ``scale`` [(E,) R, C/16] (any strides)."""
+    squeeze = data.dim() == 2
+    if squeeze:
+        data, scale = data.unsqueeze(0), scale.unsqueeze(0)
+    e, rows, packed = data.shape
+    if data.stride(2) != 1 or scale.shape != (e, rows, 2 * packed // NV) or (2 * packed) % TILE:
+        raise ValueError(f"data, scale: expected packed codes [(E,) R, C/2] (unit inner stride, C a multiple of "
+                         f"{TILE}) and scales [(E,) R, C/16], got {tuple(data.shape)} and {tuple(scale.shape)}")
+    if out is None:
+        out = alloc((e, rows, 2 * packed), device=data.device, dtype=torch.bfloat16)
+    elif squeeze:
+        out = out.unsqueeze(0)
+    if data.numel():
+        expand_kernel[(e, triton.cdiv(rows, TILE), 2 * packed // TILE)](
+            data, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1), scale.stride(2),
+            out, out.stride(0), out.stride(1), rows, UPCAST=interpreting(), BLK=TILE,
+            num_warps=4 if interpreting() else 8)
+    return out[0] if squeeze else out
+
+
+def with_values(q: NVRows, rowwise: bool = False, colwise: bool = False, alloc=torch.empty) -> NVRows:
+    """``q`` with the BF16 values of the asked copies filled in (a new object: the caller drops it, and
+    the transient values with it, after the GEMM that reads them)."""
+    values = expand_values(q.data, q.scale, alloc=alloc) if rowwise else None
+    # scale_t is [slots / 16, K]: seen transposed it is the [K, slots / 16] scales of data_t's rows
+    values_t = expand_values(q.data_t, q.scale_t.t(), alloc=alloc) if colwise else None
+    return dataclasses.replace(q, values=values, values_t=values_t)
+
+
+def with_weight_values(w: NVWeight, transposed: bool, alloc=torch.empty) -> NVWeight:
+    """``w`` with the BF16 values of the copy the GEMM reads (``data_t`` if ``transposed``), unless the
+    weight cache already holds them."""
+    if transposed and w.values_t is None:
+        return dataclasses.replace(w, values_t=expand_values(w.data_t, w.scale_t, alloc=alloc))
+    if not transposed and w.values is None:
+        return dataclasses.replace(w, values=expand_values(w.data, w.scale, alloc=alloc))
+    return w
 
 
 # fp8_block's per-optimizer-step cache (same invalidation rules) holding NVFP4 copies

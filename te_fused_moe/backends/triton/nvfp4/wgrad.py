@@ -7,14 +7,16 @@ scale rows ``[8 t, 8 t + 8)``).
 
 Each step reads one tile slot (128 tokens: 64 bytes per row) of both operands, expands them
 exactly to BF16 with their E4M3 block scales, as even and odd tokens (``codec.e2m1_expand_halves``),
-and runs one BF16 wgmma per half into the FP32 accumulator;
-the two per-expert tensor factors ``amax_t / 2688`` multiply the result. Slots hold zeros past the
+and runs one BF16 wgmma per half into the FP32 accumulator; or, with ``BF16``, reads both operands'
+BF16 values expanded before the GEMM (``quantize.with_values``: the same halves, stored in slots
+of 128 values). The two per-expert tensor factors ``amax_t / 2688`` multiply the result. Slots hold zeros past the
 expert's rows (and past its last 16-token block), so no masking is needed. Experts with no tokens
 store zeros.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,7 +29,8 @@ from ..block_scaled_launch import wgrad_operands
 from ..grouped_gemm import interpreting
 from ..schedule import swizzle
 from . import gemm as nv_gemm
-from .codec import DEQUANT_FACTOR, e2m1_expand_halves
+from .codec import DEQUANT_FACTOR
+from .gemm import operand_halves
 from .quantize import TILE, NVRows
 
 
@@ -40,10 +43,14 @@ class NVWgradConfig:
     num_stages: int = 3
 
 
-def default_config() -> NVWgradConfig:
-    """64 (N) x 128 (K) tiles at 4 warps, 3 stages: MXFP8's expansion wgrad default on the H200."""
+def default_config(bf16_operands: bool = False) -> NVWgradConfig:
+    """Expanding in the K loop: 64 (N) x 128 (K) tiles at 4 warps, 3 stages (MXFP8's expansion wgrad
+    default on the H200). Reading BF16 values: 128 x 128 at 8 warps, 3 stages (run 15 at DSv3: 512
+    TFLOP/s; 357-389 with 2 stages or 4-warp 64-wide tiles)."""
     if interpreting():
         return NVWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1)
+    if bf16_operands:
+        return NVWgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)
     return NVWgradConfig()
 
 
@@ -53,8 +60,8 @@ def nv_wgrad_kernel(
     x_src, stride_xk, xs_ptr, stride_xsb, amax_x_ptr,
     dw_ptr, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    GROUP_N: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BT: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     expert = tl.program_id(1)
@@ -67,7 +74,10 @@ def nv_wgrad_kernel(
     cols_k = pid_k * BK + tl.arange(0, BK)
     n_in = tl.minimum(cols_n, N - 1)
     k_in = tl.minimum(cols_k, K - 1)
-    if not USE_TMA:
+    if USE_TMA:
+        g_ptrs = 0  # unused: the descriptors address the tiles
+        x_ptrs = 0
+    else:
         toks = tl.arange(0, BT // 2)
         g_ptrs = g_src + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
         x_ptrs = x_src + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
@@ -76,18 +86,10 @@ def nv_wgrad_kernel(
     for t in range(0, tl.cdiv(row_end - row_start, BT)):
         slot = tile_start + t
         sblk = slot * (BT // 16) + blk
-        if USE_TMA:
-            g = g_src.load([pid_n * BN, slot * (BT // 2)])
-        else:
-            g = tl.load(g_ptrs + slot * (BT // 2))
-        g_even, g_odd = e2m1_expand_halves(g, tl.load(gs_ptr + n_in[:, None] + sblk[None, :] * stride_gsb), BN, BT,
-                                           UPCAST)
-        if USE_TMA:
-            x = x_src.load([pid_k * BK, slot * (BT // 2)])
-        else:
-            x = tl.load(x_ptrs + slot * (BT // 2))
-        x_even, x_odd = e2m1_expand_halves(x, tl.load(xs_ptr + k_in[:, None] + sblk[None, :] * stride_xsb), BK, BT,
-                                           UPCAST)
+        g_even, g_odd = operand_halves(g_src, g_ptrs, pid_n * BN, slot, gs_ptr + n_in, sblk, stride_gsb, USE_TMA,
+                                       UPCAST, BF16, BN, BT)
+        x_even, x_odd = operand_halves(x_src, x_ptrs, pid_k * BK, slot, xs_ptr + k_in, sblk, stride_xsb, USE_TMA,
+                                       UPCAST, BF16, BK, BT)
         acc = tl.dot(g_even, tl.trans(x_even), acc)
         acc = tl.dot(g_odd, tl.trans(x_odd), acc)
 
@@ -102,13 +104,18 @@ def nv_grouped_wgrad(g: NVRows, x: NVRows, schedule: torch.Tensor, dw: torch.Ten
                      config: Optional[NVWgradConfig] = None) -> None:
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
-    cfg = config or default_config()
-    # TMA boxes of 64 bytes along the tokens: one slot of 128 packed codes
+    bf16 = g.values_t is not None
+    cfg = config or default_config(bf16)
+    if bf16 != (x.values_t is not None):
+        raise ValueError("g, x: give both operands' BF16 values (values_t, from quantize.with_values) or neither")
+    if bf16:  # the kernel reads the values in place of the packed codes (same slots, twice the width)
+        g, x = (dataclasses.replace(q, data_t=q.values_t) for q in (g, x))
+    # TMA boxes of 64 along the tokens: one slot of 128 packed codes, or half a slot of BF16 values
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, TILE // 2, nv_gemm.USE_TMA_DEFAULT)
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     nv_wgrad_kernel[grid](
         *operands[:4], g.amax_t, *operands[4:8], x.amax_t, *operands[8:],  # each operand's tensor amax after it
         schedule, n, k, num_experts + 1,
-        USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=TILE, GROUP_N=cfg.group_n,
+        USE_TMA=use_tma, UPCAST=interpreting(), BF16=bf16, BN=cfg.block_n, BK=cfg.block_k, BT=TILE, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
