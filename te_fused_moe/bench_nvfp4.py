@@ -76,26 +76,6 @@ def unfused(x, counts, w1, w2, activation):
     return NVFP4Unfused.apply(x, counts, w1, w2, activation)
 
 
-def fused_with(**flags):
-    """The fused path with module flags of ``nvfp4.autograd`` set for its forward (the backward reads
-    what the forward chose), e.g. ``EXPAND_BEFORE_GEMM=False``: the GEMMs expand in their K loops."""
-    def run(x, counts, w1, w2, activation):
-        from .ops import fused_moe_mlp
-
-        autograd = _kernels()[0]
-        defaults = {name: getattr(autograd, name) for name in flags}
-        for name, value in flags.items():
-            setattr(autograd, name, value)
-        try:
-            return fused_moe_mlp(x, counts, w1, w2, activation=activation, recipe=NVFP4BlockScaling(),
-                                 backend="triton")
-        finally:
-            for name, value in defaults.items():
-                setattr(autograd, name, value)
-
-    return run
-
-
 def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict[str, float]]:
     """Each kernel of the fused NVFP4 path alone: ms, TFLOP/s (GEMMs, and their share of the FP8
     peak) or GB/s (quantize: the input read once by the amax pass and once by the quantize pass;

@@ -68,7 +68,8 @@ def recipe_kernels(recipe: str):
 # --- same recipe, unfused ----------------------------------------------------------------------------
 
 class BlockScaledUnfused(torch.autograd.Function):
-    """A block-scaled recipe without fusion: quantize kernels + plain grouped GEMMs + PyTorch activation."""
+    """A block-scaled recipe without fusion: quantize kernels + plain grouped GEMMs + PyTorch activation.
+    The GEMMs read their operands as the fused path does (the recipe's ``operand_reader``)."""
 
     @staticmethod
     def forward(ctx, x, counts, w1, w2, activation, recipe):
@@ -79,36 +80,42 @@ class BlockScaledUnfused(torch.autograd.Function):
         T, H = x.shape
         E, n1, _ = w1.shape
         sched = build_schedule(counts, T, k.tile)
+        read = k.operand_reader()
         w1q, w2q = k.weight_cache.get(w1, spec), k.weight_cache.get(w2, spec)
         xq = k.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
         h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
-        k.gemm.launch("fc2", xq.data, xq.scale, w1q.data, w1q.scale, n1, sched, E, spec, c=h)
+        k.gemm.launch("fc2", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, n1, sched, E,
+                      spec, c=h)
         a = act.forward(h.float()).to(x.dtype)
         aq = k.quantize_rows(a, sched, E, spec, rowwise=True, colwise=True)
         y = torch.empty(T, H, device=x.device, dtype=x.dtype)
-        k.gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
+        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, H, sched, E,
+                      spec, c=y)
         ctx.save_for_backward(h, w1, w2)
-        ctx.state = (k, sched, w1q, w2q, xq, aq, act, spec)
+        ctx.state = (k, read, sched, w1q, w2q, xq, aq, act, spec)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         h, w1, w2 = ctx.saved_tensors
-        k, sched, w1q, w2q, xq, aq, act, spec = ctx.state
+        k, read, sched, w1q, w2q, xq, aq, act, spec = ctx.state
+        cols = lambda q: k.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
         dy = dy.contiguous()
         T, H = dy.shape
         E, n1, _ = w1.shape
         F = w2.shape[2]
         dyq = k.quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
         da = torch.empty(T, F, device=dy.device, dtype=dy.dtype)
-        k.gemm.launch("dgrad", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, c=da)
+        k.gemm.launch("dgrad", read(dyq.data, dyq.scale), dyq.scale, read(w2q.data_t, w2q.scale_t), w2q.scale_t, F,
+                      sched, E, spec, c=da)
         dh = act.backward(h.float(), da.float()).to(dy.dtype)
         dhq = k.quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True)
         dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
-        k.gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
+        k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(w1q.data_t, w1q.scale_t), w1q.scale_t, H,
+                      sched, E, spec, c=dx)
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        k.grouped_wgrad(dyq, aq, sched, dw2)
-        k.grouped_wgrad(dhq, xq, sched, dw1)
+        k.grouped_wgrad(cols(dyq), cols(aq), sched, dw2)
+        k.grouped_wgrad(cols(dhq), cols(xq), sched, dw1)
         return dx, None, dw1, dw2, None, None
 
 
@@ -206,20 +213,32 @@ for _recipe in RECIPES:
     IMPLEMENTATIONS[f"{_recipe}_fused"] = _fused(_recipe)
 
 
-def _nvfp4_fused_with(**flags):
-    def run(x, counts, w1, w2, activation):
-        from .bench_nvfp4 import fused_with
+def _fused_with(recipe: str, **flags):
+    """The fused path with module flags of the recipe's ``autograd`` module set for its forward (the
+    backward reads what the forward chose), e.g. ``EXPAND_BEFORE_GEMM=False``."""
+    import importlib
 
-        return fused_with(**flags)(x, counts, w1, w2, activation)
+    def run(x, counts, w1, w2, activation):
+        module = importlib.import_module(f".backends.triton.{recipe}.autograd", __package__)
+        defaults = {name: getattr(module, name) for name in flags}
+        try:
+            for name, value in flags.items():
+                setattr(module, name, value)
+            return _fused(recipe)(x, counts, w1, w2, activation)
+        finally:
+            for name, value in defaults.items():
+                setattr(module, name, value)
 
     return run
 
 
-# NVFP4 variants: the GEMMs expanding their packed operands in the K loop (no transient values), and
-# the weight cache holding the weights' BF16 values
-NVFP4_VARIANTS = {"nvfp4_fused_k_loop": _nvfp4_fused_with(EXPAND_BEFORE_GEMM=False),
-                  "nvfp4_fused_bf16_weights": _nvfp4_fused_with(BF16_WEIGHT_VALUES=True)}
-IMPLEMENTATIONS.update(NVFP4_VARIANTS)
+# Variants of the expanding recipes: the GEMMs expanding quantized operands in their K loops (no
+# transient BF16 values; the default before run 15), and NVFP4's weight cache holding BF16 values
+VARIANTS = {"mxfp8": {"mxfp8_fused_k_loop": _fused_with("mxfp8", EXPAND_BEFORE_GEMM=False)},
+            "nvfp4": {"nvfp4_fused_k_loop": _fused_with("nvfp4", EXPAND_BEFORE_GEMM=False),
+                      "nvfp4_fused_bf16_weights": _fused_with("nvfp4", BF16_WEIGHT_VALUES=True)}}
+for _variants in VARIANTS.values():
+    IMPLEMENTATIONS.update(_variants)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in
 # _scaled_grouped_mm on the H200 (torch 2.11, GroupMMCommon.cuh:64, "dynamic dimension byte size ...
 # multiple of 16"), which kills the CUDA context and the whole run; the wgrad operands are now padded
@@ -233,8 +252,8 @@ def selected_implementations(recipes=tuple(RECIPES), with_scaled_grouped_mm: boo
     """The implementations one run times: the BF16 pair, each chosen recipe's pair, and optionally
     ``torch._scaled_grouped_mm``."""
     keep = {"bf16_unfused", "bf16_fused"} | {f"{r}_{kind}" for r in recipes for kind in ("unfused", "fused")}
-    if "nvfp4" in recipes:
-        keep.update(NVFP4_VARIANTS)
+    for recipe in recipes:
+        keep.update(VARIANTS.get(recipe, {}))
     chosen = {name: fn for name, fn in IMPLEMENTATIONS.items() if name in keep}
     if with_scaled_grouped_mm:
         chosen.update(SCALED_GROUPED_MM)
@@ -264,18 +283,20 @@ def bench_impl(name: str, shape: bench.Shape, inputs, peak: float, fn) -> Dict:
 
 
 def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
-                  wgrad_config=None, quantize_warps: Optional[int] = None,
-                  quantize_maxnreg: Optional[int] = None) -> Dict[str, Dict[str, float]]:
+                  wgrad_config=None, quantize_warps: Optional[int] = None, quantize_maxnreg: Optional[int] = None,
+                  quantized_operands: bool = False) -> Dict[str, Dict[str, float]]:
     """Each kernel of ``recipe``'s fused path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize: BF16 read,
     FP8 rowwise + columnwise written; scales not counted); optionally with given block configs
     (``gemm_config``: FC2 / FC1 dgrad, ``epilogue_config``: FC1 / dGLU, ``wgrad_config``) and, for the
-    FP8 block quantize kernel, warps and a register cap."""
+    FP8 block quantize kernel, warps and a register cap. ``quantized_operands``: the GEMMs read the
+    quantized operands even where the recipe's default expands them to BF16 before the GEMM."""
     if recipe == "nvfp4":
         from . import bench_nvfp4
 
         return bench_nvfp4.bench_kernels(shape, inputs, fp8_peak)
     import triton
 
+    from .backends.triton import block_scaled
     from .backends.triton.schedule import build_schedule
 
     k, spec = recipe_kernels(recipe)
@@ -294,32 +315,52 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
     dhq = k.new_rows(T, n1, x, spec, E, True, True, torch.empty)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-    dprob = torch.empty(triton.cdiv(F, (epilogue_config or k.gemm.default_config("dact")).block_n), T,
+    read = block_scaled.as_quantized if quantized_operands else k.operand_reader()
+    values = read is not block_scaled.as_quantized
+    dprob = torch.empty(triton.cdiv(F, (epilogue_config or k.gemm.default_config("dact", values)).block_n), T,
                         device=x.device, dtype=torch.float32)
     probs = torch.rand(T, device=x.device) + 0.05
     launch = k.gemm.launch
-    launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F, b_up_rows=F,
-           **kw)
+    # the GEMMs read their operands as the fused path does: as they are, or (MXFP8) as BF16 values
+    # expanded before the GEMM; those expansions are timed on their own, not inside the GEMMs
+    rows = lambda q: (read(q.data, q.scale), q.scale)
+    cols = lambda q: k.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
+    weight = lambda w, transposed: ((read(w.data_t, w.scale_t), w.scale_t) if transposed
+                                    else (read(w.data, w.scale), w.scale))
+    w1_fwd, w2_fwd, w1_bwd, w2_bwd = weight(w1q, False), weight(w2q, False), weight(w1q, True), weight(w2q, True)
+    x_rows, x_cols, dy_rows, dy_cols = rows(xq), cols(xq), rows(dyq), cols(dyq)
+    launch("fc1", *x_rows, *w1_fwd, F, sched, E, spec, q=aq, h=h, h_up_offset=F, b_up_rows=F, **kw)
     kernels = {
         "quantize_x_row_col": (lambda: quantize(x), None, T * H * 4.0),
         "quantize_weights": (lambda: (k.quantize_weight(w1, spec), k.quantize_weight(w2, spec)), None,
                              (w1.numel() + w2.numel()) * 4.0),
-        "fc1_glu_quant": (lambda: launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq,
-                                         h=h, h_up_offset=F, b_up_rows=F, config=epilogue_config, **kw),
-                          2.0 * routed * H * n1, None),
-        "fc2": (lambda: launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y,
-                               config=gemm_config), 2.0 * routed * F * H, None),
-        "quantize_dy_row_col": (lambda: quantize(dy), None, T * H * 4.0),
-        "fc2_dgrad_dglu_quant": (lambda: launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E,
-                                                spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
-                                                dprob=dprob, config=epilogue_config, **kw),
-                                 2.0 * routed * H * F, None),
-        "fc1_dgrad": (lambda: launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec,
-                                     c=dx, config=gemm_config), 2.0 * routed * n1 * H, None),
-        "wgrad_w2": (lambda: k.grouped_wgrad(dyq, aq, sched, dw2, config=wgrad_config), 2.0 * routed * H * F, None),
-        "wgrad_w1": (lambda: k.grouped_wgrad(dhq, xq, sched, dw1, config=wgrad_config), 2.0 * routed * n1 * H,
-                     None),
+        "fc1_glu_quant": (lambda: launch("fc1", *x_rows, *w1_fwd, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
+                                         b_up_rows=F, config=epilogue_config, **kw), 2.0 * routed * H * n1, None),
     }
+    a_rows, a_cols = rows(aq), cols(aq)
+    kernels.update({
+        "fc2": (lambda: launch("fc2", *a_rows, *w2_fwd, H, sched, E, spec, c=y, config=gemm_config),
+                2.0 * routed * F * H, None),
+        "quantize_dy_row_col": (lambda: quantize(dy), None, T * H * 4.0),
+        "fc2_dgrad_dglu_quant": (lambda: launch("dact", *dy_rows, *w2_bwd, F, sched, E, spec, q=dhq, q_up_offset=F,
+                                                h=h, h_up_offset=F, probs=probs, dprob=dprob, config=epilogue_config,
+                                                **kw), 2.0 * routed * H * F, None),
+    })
+    launch("dact", *dy_rows, *w2_bwd, F, sched, E, spec, q=dhq, q_up_offset=F, h=h, h_up_offset=F, probs=probs,
+           dprob=dprob, config=epilogue_config, **kw)
+    dh_rows, dh_cols = rows(dhq), cols(dhq)
+    kernels.update({
+        "fc1_dgrad": (lambda: launch("dgrad", *dh_rows, *w1_bwd, H, sched, E, spec, c=dx, config=gemm_config),
+                      2.0 * routed * n1 * H, None),
+        "wgrad_w2": (lambda: k.grouped_wgrad(dy_cols, a_cols, sched, dw2, config=wgrad_config), 2.0 * routed * H * F,
+                     None),
+        "wgrad_w1": (lambda: k.grouped_wgrad(dh_cols, x_cols, sched, dw1, config=wgrad_config),
+                     2.0 * routed * n1 * H, None),
+    })
+    if values:  # FP8 read, BF16 written, per copy
+        kernels["expand_x_row_col"] = (lambda: (rows(xq), cols(xq)), None, 2 * T * H * 3.0)
+        kernels["expand_weights"] = (lambda: [weight(w, t) for w in (w1q, w2q) for t in (False, True)], None,
+                                     2 * (w1.numel() + w2.numel()) * 3.0)
     return bench.time_kernels(kernels, fp8_peak)
 
 
@@ -349,11 +390,15 @@ def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
             # the other inner loop: FP8 wgmma per 32-K block + FP32 promotion (run 12's default)
             "promote": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=4, **promote),
                             epilogue_config=G(block_n=64, num_warps=8, num_stages=4, **promote),
-                            wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, **promote)),
-            "plain_128x128_w8": dict(gemm_config=G(block_n=128, num_warps=8, num_stages=3, expand_bf16=True)),
-            "epi_bn128_w8": dict(epilogue_config=G(block_n=128, num_warps=8, num_stages=3, expand_bf16=True)),
-            "wgrad_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=3,
-                                                    expand_bf16=True)),
+                            wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, **promote),
+                            quantized_operands=True),
+            # expansion in the K loop (the default before run 15)
+            "k_loop": dict(quantized_operands=True),
+            # the BF16-valued GEMMs (the default) at other tiles
+            "plain_128x64_w4": dict(gemm_config=G(block_n=64, num_warps=4, num_stages=4, expand_bf16=True)),
+            "epi_bn128_s2": dict(epilogue_config=G(block_n=128, num_warps=8, num_stages=2, expand_bf16=True)),
+            "wgrad_64x128_w4": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
+                                                   expand_bf16=True)),
         }
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)

@@ -81,6 +81,15 @@ def test_promotion_loop_exact_on_integer_data_gpu():
         assert bad[name] == 0, (name, bad)
 
 
+@pytest.mark.parametrize("tma,fmt", [(True, "e4m3"), (False, "e5m2")], ids=["tma", "ptr-e5m2"])
+def test_bf16_values_exact_on_integer_data_gpu(tma, fmt):
+    # every GEMM reading the BF16 values an expansion pass wrote before it (the fused path's default)
+    bad = checks.check_kernels_exact("cuda", seed=5, use_tma=tma, fmt=fmt, values=True)
+    print("MXFP8_EXACT_VALUES", json.dumps(bad))
+    for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
+        assert bad[name] == 0, (name, bad)
+
+
 # (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, tma, frozen, fp8_format)
 GPU_CASES = [  # few, because each activation / option combination compiles its own kernels
     ("swiglu-balanced", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
@@ -88,6 +97,8 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
      "E4M3"),
     ("geglu-one-ptr", 2048, 384, 256, 4, "geglu", True, False, "one", 3, True, False, (), "E4M3"),
     ("swiglu-zipf-hbf16-hybrid", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (), "HYBRID"),
+    # the GEMMs expanding FP8 operands in their K loops (autograd.EXPAND_BEFORE_GEMM off)
+    ("swiglu-balanced-kloop", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
 ]
 
 

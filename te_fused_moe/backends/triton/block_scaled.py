@@ -21,6 +21,10 @@ sits next to an FP8 rounding boundary (or an amax next to a power of two) by one
 it in FP32), so ``dh`` sees ``h`` rounded to BF16. ``Format.HYBRID`` quantizes the gradients (dy,
 dh) to E5M2: the dgrad and wgrad GEMMs then multiply E5M2 by E4M3 (a mixed FP8 wgmma).
 
+Every GEMM operand goes through the recipe's operand reader first: FP8 block reads its FP8 data
+as it is (FP8 wgmma); MXFP8 by default reads BF16 values expanded just before the GEMM
+(``mxfp8/autograd.py``).
+
 Sync-free: no host reads of device data, no data-dependent shapes (buffers sized for the worst case).
 """
 
@@ -49,7 +53,10 @@ class RecipeKernels:
     ``new_rows(T, width, like, spec, E, rowwise, colwise, alloc)`` return / allocate ``rows``
     objects (``data``, ``scale``, ``data_t``, ``scale_t``); ``gemm`` has ``launch`` and
     ``default_config``; ``grouped_wgrad(g_rows, x_rows, schedule, dw)``; ``specs_of(recipe)`` gives
-    the (x/a/weights, gradients) element specs; ``unsupported(recipe)`` None or the reason."""
+    the (x/a/weights, gradients) element specs; ``unsupported(recipe)`` None or the reason;
+    ``operand_reader()`` the function each GEMM operand goes through, chosen once per forward (the
+    backward reads alike): ``read(data, scale, columnwise)`` returns the quantized ``data`` itself
+    (the default) or, for MXFP8, its exact BF16 values expanded just before the GEMM."""
 
     recipe_name: str
     tile: int  # schedule M tile; H and F must be multiples of it
@@ -63,6 +70,7 @@ class RecipeKernels:
     tile_sums_to_experts: Callable
     specs_of: Callable
     unsupported: Callable
+    operand_reader: Callable = lambda: as_quantized
 
     def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
         """None if the kernels take these sizes (whole tiles along every reduction), else the reason."""
@@ -79,6 +87,11 @@ class RecipeKernels:
             raise ValueError(reason)
         return BlockScaledExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2,
                                           args.probs, args.activation, self.specs_of(args.recipe), self)
+
+
+def as_quantized(data: torch.Tensor, scale: torch.Tensor, columnwise: bool = False) -> torch.Tensor:
+    """The operand reader of GEMMs that read quantized operands as they are."""
+    return data
 
 
 def new_buffer(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -107,6 +120,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec, ctx.kernels = act, grad_spec, k
+        ctx.read = read = k.operand_reader()
         if num_rows == 0:
             ctx.empty = True
             ctx.save_for_backward(x, w1, w2, probs)
@@ -118,10 +132,11 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=ALLOC)
         h = new_buffer((num_rows, n1), x, H_DTYPE or x.dtype)
         aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC)
-        k.gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, ffn, schedule, num_experts, spec, q=aq, h=h,
-                      h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs, **act)
-        k.gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, hidden, schedule, num_experts, spec, c=y,
-                      bias=b2)
+        k.gemm.launch("fc1", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, ffn, schedule,
+                      num_experts, spec, q=aq, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn,
+                      probs=probs, **act)
+        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, hidden,
+                      schedule, num_experts, spec, c=y, bias=b2)
         # x itself is not kept: backward reads only its columnwise FP8 copy (and x's shape)
         ctx.save_for_backward(w1, w2, probs, h)
         ctx.x_shape = x.shape
@@ -136,7 +151,8 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         if ctx.empty:
             return empty_input_grads(need, *ctx.saved_tensors)
         w1, w2, probs, h = ctx.saved_tensors
-        k = ctx.kernels
+        k, read = ctx.kernels, ctx.read
+        cols = lambda q: k.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)  # wgrad operands
         like = w1  # new buffers like x: same dtype and device (validated)
         spec, schedule = ctx.grad_spec, ctx.schedule
         dy = dy.contiguous()
@@ -155,11 +171,11 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         dhq = None
         if need_dact:
             dhq = k.new_rows(num_rows, n1, like, spec, num_experts, need[0], need[2], ALLOC)
-            cfg = k.gemm.default_config("dact")
+            cfg = k.gemm.default_config("dact", read is not as_quantized)
             dprob_buf = new_buffer((triton.cdiv(ffn, cfg.block_n), num_rows), like, torch.float32) if want_dprob else None
             dbias_buf = new_buffer((m_tiles, n1), like, torch.float32) if need[4] else None
-            k.gemm.launch("dact", dyq.data, dyq.scale, ctx.w2q.data_t, ctx.w2q.scale_t, ffn, schedule, num_experts,
-                          spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
+            k.gemm.launch("dact", read(dyq.data, dyq.scale), dyq.scale, read(ctx.w2q.data_t, ctx.w2q.scale_t),
+                          ctx.w2q.scale_t, ffn, schedule, num_experts, spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
                           dbias=dbias_buf, config=cfg, **ctx.act)
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
@@ -168,15 +184,15 @@ class BlockScaledExpertMLP(torch.autograd.Function):
                 k.tile_sums_to_experts(dbias_buf, schedule, db1)
         if need[0]:
             dx = new_buffer((num_rows, hidden), like)
-            k.gemm.launch("dgrad", dhq.data, dhq.scale, ctx.w1q.data_t, ctx.w1q.scale_t, hidden, schedule,
-                          num_experts, spec, c=dx)
+            k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(ctx.w1q.data_t, ctx.w1q.scale_t),
+                          ctx.w1q.scale_t, hidden, schedule, num_experts, spec, c=dx)
         if need[3]:
             dw2 = new_buffer(w2.shape, w2)
-            k.grouped_wgrad(k.rows(data_t=dyq.data_t, scale_t=dyq.scale_t), ctx.a_cols, schedule, dw2)
+            k.grouped_wgrad(cols(dyq), cols(ctx.a_cols), schedule, dw2)
         if need[5]:
             db2 = new_buffer((num_experts, hidden), like)
             k.tile_sums_to_experts(db2_parts, schedule, db2)
         if need[2]:
             dw1 = new_buffer(w1.shape, w1)
-            k.grouped_wgrad(k.rows(data_t=dhq.data_t, scale_t=dhq.scale_t), ctx.x_cols, schedule, dw1)
+            k.grouped_wgrad(cols(dhq), cols(ctx.x_cols), schedule, dw1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None

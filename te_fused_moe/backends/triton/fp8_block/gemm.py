@@ -60,10 +60,12 @@ class FP8GemmConfig:
     split_epilogue: bool = True  # FC1 and dGLU epilogues in two 64-column halves (register pressure)
 
 
-def default_config(kind: str) -> FP8GemmConfig:
+def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
     """BM = BK = 128 always (token blocks, scale blocks). FC1/DACT: BN = 128 (one rowwise block per
     tile; gated FC1 keeps a second 128-wide accumulator for the up half). The plain GEMMs use
-    BN = 128 too (see below)."""
+    BN = 128 too (see below). ``bf16_operands`` is refused: these GEMMs run FP8 wgmma."""
+    if bf16_operands:
+        raise ValueError("bf16_operands: the FP8 block GEMMs read FP8 operands (FP8 wgmma with FP32 promotion)")
     if interpreting():
         return FP8GemmConfig(block_n=128, group_m=2, num_warps=4, num_stages=1)
     if kind in ("fc1", "dact"):

@@ -4,18 +4,38 @@ recipe/shape checks.
 
 Block sizes: 1x32 along each GEMM's reduction axis with E8M0 scales: x, a, dy, dh rowwise along K;
 32 tokens per block restarting at each expert for the wgrad operands; weights 1x32 along K (fprop)
-and, in their transposed copy, along N (dgrad).
+and, in their transposed copy, along N (dgrad). Each GEMM reads its operands as BF16 values
+expanded just before it (``EXPAND_BEFORE_GEMM``) or expands them in its K loop.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ..block_scaled import RecipeKernels
+from .. import block_scaled
+from ..block_scaled import RecipeKernels, as_quantized
 from ..fp8_block.wgrad import tile_sums_to_experts
 from . import gemm
-from .quantize import TILE, WEIGHT_CACHE, MXRows, MXSpec, new_rows, quantize_rows, quantize_weight
+from .quantize import TILE, WEIGHT_CACHE, MXRows, MXSpec, expand_values, new_rows, quantize_rows, quantize_weight
 from .wgrad import mx_grouped_wgrad
+
+# How the GEMMs read their MXFP8 operands (an FP8 value times its E8M0 scale is exact in BF16).
+# True: an expansion pass writes each operand's BF16 values just before the GEMM that reads them and
+# the K loop is a BF16 GEMM's (the values are transient: saved tensors and the weight cache stay
+# FP8). False: the GEMMs expand the FP8 tiles in their K loops (``gemm.default_config``), which on
+# the H200 bounds them at 150-280 TFLOP/s (run 13).
+EXPAND_BEFORE_GEMM = True
+
+
+def read_expanded(data, scale, columnwise: bool = False):
+    """An operand's exact BF16 values (``columnwise``: a ``data_t`` copy, whose scales are ``scale_t``
+    seen transposed), for the GEMM launched next."""
+    return expand_values(data, scale.t() if columnwise else scale, alloc=block_scaled.ALLOC)
+
+
+def operand_reader():
+    """The shared autograd's per-forward choice (``RecipeKernels.operand_reader``)."""
+    return read_expanded if EXPAND_BEFORE_GEMM else as_quantized
 
 
 def specs_of(recipe):
@@ -37,6 +57,7 @@ KERNELS = RecipeKernels(
     recipe_name="MXFP8BlockScaling", tile=TILE, weight_cache=WEIGHT_CACHE, quantize_weight=quantize_weight,
     quantize_rows=quantize_rows, new_rows=new_rows, rows=MXRows, gemm=gemm, grouped_wgrad=mx_grouped_wgrad,
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_mxfp8,
+    operand_reader=operand_reader,
 )
 check_shapes = KERNELS.check_shapes
 mxfp8_expert_mlp = KERNELS.expert_mlp

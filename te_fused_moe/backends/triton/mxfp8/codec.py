@@ -50,3 +50,15 @@ def mx_dequant_scale(code):
     """2^(code - 127) for the GEMMs' FP32 promotion (codes from the quantizers are never 255)."""
     c = code.to(tl.int32)
     return tl.where(c == 0, 0x400000, c << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def expand_bf16(v, codes, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
+    """FP8 tile ``v`` [ROWS, COLS] times its E8M0 scales ``codes`` [ROWS, COLS / 32] (one per 32
+    consecutive columns), in BF16: exact, since an FP8 value (4 significant bits) times a power of
+    two fits BF16's 8 (down to BF16's smallest subnormal, 2^-133). FP32 under the interpreter."""
+    x = tl.reshape(v.to(tl.float32), (ROWS, COLS // 32, 32)) * mx_dequant_scale(codes)[:, :, None]
+    x = tl.reshape(x, (ROWS, COLS))
+    if UPCAST:
+        return x
+    return x.to(tl.bfloat16)

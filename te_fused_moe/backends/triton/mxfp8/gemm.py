@@ -7,7 +7,9 @@ scaling; two inner loops (``MXGemmConfig.expand_bf16``):
 - **expand** (default): K steps of 128; both FP8 tiles are multiplied by their scales
   ``2^(e8m0 - 127)`` in registers and cast to BF16, which is exact (an FP8 value's 4 significant
   bits times a power of two fit BF16's 8), then one BF16 wgmma accumulates into the loop-carried
-  FP32 accumulator.
+  FP32 accumulator. Either operand may also come as those BF16 values, expanded by a pass before
+  the GEMM (``quantize.expand_values``; ``autograd.EXPAND_BEFORE_GEMM``): with both, the K loop
+  is a plain BF16 GEMM's.
 - **promote**: K steps of 32 (one scale block): ``acc += dot(a, b^T) * sa[:, None] * sb[None, :]``
   with FP8 wgmma; the power-of-two promotion is exact too.
 
@@ -48,7 +50,7 @@ from ..act_math import ACT_IDS, act_backward, act_forward, to_output
 from ..block_scaled_launch import kernel_operands, operand_sources, quantized_copies, tma_allowed
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
-from .codec import mx_dequant_scale
+from .codec import expand_bf16, mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
 
 MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
@@ -70,7 +72,7 @@ class MXGemmConfig:
     expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see expand_bf16)
 
 
-def default_config(kind: str) -> MXGemmConfig:
+def default_config(kind: str, bf16_operands: bool = False) -> MXGemmConfig:
     """BM = 128 always (four 32-token blocks of one expert per tile). BK = 128 with ``expand_bf16``
     (the default, four scale blocks per step), 32 with the promotion loop (one scale block per step).
 
@@ -79,11 +81,20 @@ def default_config(kind: str) -> MXGemmConfig:
     (7.0 ms vs 9.4 at 64). dGLU: BN = 64 at 8 warps (6.4 vs 6.8 ms at 128). FC2 / FC1 dgrad:
     128x64 tiles at 4 warps (3.5 / 6.8 ms vs 4.2 / 8.1 at 128x128, 8 warps): several CTAs per SM
     overlap one's operand expansion with another's wgmma. With the promotion loop, FC1 at BN = 128
-    spills in its K loop (two accumulators plus two fresh dot results)."""
+    spills in its K loop (two accumulators plus two fresh dot results).
+
+    ``bf16_operands`` (values expanded before the GEMM: a BF16 GEMM with these epilogues): NVFP4's
+    BF16-valued configs on the H200 (run 15): FC1 and dGLU at BN = 64 (3 / 4 stages), FC2 and FC1
+    dgrad at 128 x 128, 8 warps, 3 stages."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
     if interpreting():  # the GPU's tile shapes
-        return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1, expand_bf16=EXPAND_BF16_DEFAULT)
+        return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1,
+                            expand_bf16=EXPAND_BF16_DEFAULT or bf16_operands)
+    if bf16_operands:
+        if kind in ("fc1", "dact"):
+            return MXGemmConfig(block_n=64, num_warps=8, num_stages=3 if kind == "fc1" else 4, expand_bf16=True)
+        return MXGemmConfig(block_n=128, num_warps=8, num_stages=3, expand_bf16=True)
     if kind == "fc1" and EXPAND_BF16_DEFAULT:  # run 13: 7.0 ms at BN = 128 vs 9.4 at 64 (dGLU: 6.8 vs 6.4)
         return MXGemmConfig(block_n=128, num_warps=8, num_stages=3, expand_bf16=True)
     if kind in ("fc1", "dact"):
@@ -178,15 +189,17 @@ def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_h
 
 
 @triton.jit
-def expand_bf16(v, codes, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.constexpr):
-    """FP8 tile ``v`` [ROWS, COLS] times its E8M0 scales ``codes`` [ROWS, COLS / 32] (one per 32
-    consecutive columns), in BF16: exact, since an FP8 value (4 significant bits) times a power of
-    two fits BF16's 8 (down to BF16's smallest subnormal, 2^-133). FP32 under the interpreter."""
-    x = tl.reshape(v.to(tl.float32), (ROWS, COLS // 32, 32)) * mx_dequant_scale(codes)[:, :, None]
-    x = tl.reshape(x, (ROWS, COLS))
-    if UPCAST:
-        return x
-    return x.to(tl.bfloat16)
+def as_bf16(tile, s_ptrs, kb, stride_sk, IS_BF16: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """A loaded K step as the BF16 dot operand: BF16 values expanded before the GEMM as they are, or an
+    FP8 tile expanded here with its rows' E8M0 scales (``s_ptrs``, blocks ``kb``)."""
+    if IS_BF16:
+        if UPCAST:
+            return tile.to(tl.float32)
+        else:
+            return tile
+    else:
+        return expand_bf16(tile, tl.load(s_ptrs[:, None] + kb[None, :] * stride_sk), ROWS, BK, UPCAST)
 
 
 @triton.jit
@@ -205,7 +218,8 @@ def mx_grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
-    EXPAND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EXPAND: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
     pid_m, pid_n = swizzle(tl.program_id(0), MAX_M_TILES, tl.cdiv(N, BN), GROUP_M)
@@ -242,16 +256,16 @@ def mx_grouped_gemm_kernel(
                 a = tl.load(a_ptrs + k0)
                 b = tl.load(b_ptrs + k0)
             kb = kt * (BK // 32) + tl.arange(0, BK // 32)
-            a_x = expand_bf16(a, tl.load(sa_ptrs[:, None] + kb[None, :] * stride_ask), BM, BK, UPCAST)
-            b_x = expand_bf16(b, tl.load(sb_ptrs[:, None] + kb[None, :] * stride_bsk), BN, BK, UPCAST)
+            a_x = as_bf16(a, sa_ptrs, kb, stride_ask, A_BF16, BM, BK, UPCAST)
+            b_x = as_bf16(b, sb_ptrs, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
             acc = tl.dot(a_x, tl.trans(b_x), acc)
             if GATED and MODE == 1:
                 if USE_TMA:
                     b_up = b_src.load([b_row + b_up_rows, k0])
                 else:
                     b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
-                sb_up = tl.load(sb_ptrs[:, None] + b_up_rows * stride_bsn + kb[None, :] * stride_bsk)
-                acc_up = tl.dot(a_x, tl.trans(expand_bf16(b_up, sb_up, BN, BK, UPCAST)), acc_up)
+                up_x = as_bf16(b_up, sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
+                acc_up = tl.dot(a_x, tl.trans(up_x), acc_up)
         k_tiles = 0  # the promotion loop below does nothing
     for kt in range(0, k_tiles):
         k0 = kt * BK
@@ -353,12 +367,16 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
            dbias: Optional[torch.Tensor] = None, activation: str = "swiglu", alpha: float = 1.702,
            limit: float = 7.0, gated: bool = False, config: Optional[MXGemmConfig] = None):
     """One MXFP8 grouped GEMM. ``a`` [T, K] FP8 + ``a_scale`` [T, K/32] uint8; ``b`` [E, rows, K] FP8
-    K-major (contiguous) + ``b_scale`` [E, rows, K/32] uint8 (any strides); ``n`` output columns (the
-    gate half for gated FC1/DACT). ``q`` (FC1/DACT): an :class:`~.quantize.MXRows` whose present
+    K-major (contiguous) + ``b_scale`` [E, rows, K/32] uint8 (any strides); either operand may instead
+    be its BF16 values (``quantize.expand_values``; its scales are then not read). ``n`` output
+    columns (the gate half for gated FC1/DACT). ``q`` (FC1/DACT): an :class:`~.quantize.MXRows` whose present
     copies are written with ``spec``'s format (the GEMM operands' formats are their dtypes).
     ``dprob``: FP32 ``[n / block_n, T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
     mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
-    cfg = config or default_config(kind)
+    a_bf16, b_bf16 = a.dtype == torch.bfloat16, b.dtype == torch.bfloat16
+    cfg = config or default_config(kind, a_bf16 and b_bf16)
+    if (a_bf16 or b_bf16) and not cfg.expand_bf16:
+        raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
     num_rows, k = a.shape
     if k % MX or n % TILE:
         raise ValueError(f"MXFP8 GEMM: K={k} must be a multiple of {MX} and N={n} of {TILE}")
@@ -383,5 +401,6 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
         SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(), EXPAND=cfg.expand_bf16,
+        A_BF16=a_bf16, B_BF16=b_bf16,
         BM=TILE, BN=cfg.block_n, BK=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

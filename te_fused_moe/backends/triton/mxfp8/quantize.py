@@ -34,7 +34,7 @@ from ..fp8_block.codec import encode_fp8, nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, tile_rows, total_tiles
-from .codec import mx_scale
+from .codec import expand_bf16, mx_scale
 
 MX = 32  # elements per scale block
 TILE = 128  # schedule M tile
@@ -287,6 +287,43 @@ def quantize_weight(w: torch.Tensor, spec: MXSpec, *, transposed: bool = True, a
             num_warps=4 if interpreting() else 8,
         )
     return MXWeight(data, scale, data_t, scale_t)
+
+
+@triton.jit
+def expand_kernel(q_ptr, stride_qe, stride_qr, s_ptr, stride_se, stride_sr, stride_sb, v_ptr, stride_ve, stride_vr,
+                  ROWS, UPCAST: tl.constexpr, BLK: tl.constexpr):
+    """One BLK x BLK tile of FP8 ``q[e]`` [ROWS, C] (E8M0 scales ``s[e]`` [ROWS, C/32], any strides) as
+    exact BF16 values ``v[e]`` [ROWS, C] (``codec.expand_bf16``). Rows past ``ROWS`` are left alone."""
+    e = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLK + tl.arange(0, BLK)
+    cols = tl.program_id(2) * BLK + tl.arange(0, BLK)
+    row_ok = (rows < ROWS)[:, None]
+    rows64 = rows.to(tl.int64)[:, None]
+    codes = tl.load(q_ptr + e * stride_qe + rows64 * stride_qr + cols[None, :], mask=row_ok, other=0.0)
+    cb = tl.program_id(2) * (BLK // 32) + tl.arange(0, BLK // 32)  # one E8M0 scale per 32 (expand_bf16)
+    sc = tl.load(s_ptr + e * stride_se + rows64 * stride_sr + cb[None, :] * stride_sb, mask=row_ok, other=127)
+    values = expand_bf16(codes, sc, BLK, BLK, UPCAST)
+    tl.store(v_ptr + e * stride_ve + rows64 * stride_vr + cols[None, :], values.to(tl.bfloat16), mask=row_ok)
+
+
+def expand_values(data: torch.Tensor, scale: torch.Tensor, alloc=torch.empty) -> torch.Tensor:
+    """Exact BF16 values of FP8 ``data`` [(E,) R, C] with E8M0 scales ``scale`` [(E,) R, C/32] (any
+    strides): what a GEMM then reads as a plain BF16 operand. For a columnwise copy pass
+    ``scale_t.t()`` (the scales of ``data_t``'s rows)."""
+    squeeze = data.dim() == 2
+    if squeeze:
+        data, scale = data.unsqueeze(0), scale.unsqueeze(0)
+    e, rows, cols = data.shape
+    if data.stride(2) != 1 or scale.shape != (e, rows, cols // MX) or cols % TILE:
+        raise ValueError(f"data, scale: expected FP8 [(E,) R, C] (unit inner stride, C a multiple of {TILE}) and "
+                         f"scales [(E,) R, C/32], got {tuple(data.shape)} and {tuple(scale.shape)}")
+    out = alloc((e, rows, cols), device=data.device, dtype=torch.bfloat16)
+    if data.numel():
+        expand_kernel[(e, triton.cdiv(rows, TILE), cols // TILE)](
+            data, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1), scale.stride(2),
+            out, out.stride(0), out.stride(1), rows, UPCAST=interpreting(), BLK=TILE,
+            num_warps=4 if interpreting() else 8)
+    return out[0] if squeeze else out
 
 
 # fp8_block's per-optimizer-step cache (same invalidation rules) holding MXFP8 copies

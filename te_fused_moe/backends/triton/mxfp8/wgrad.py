@@ -1,10 +1,12 @@
 """MXFP8 weight gradients: ``dW[e] = G_e^T @ X_e`` reduced over expert ``e``'s tokens, from the
 columnwise (transposed) copies of ``G`` [T, N] and ``X`` [T, K]: 32-token blocks that restart at
 each expert's first row (layout in :mod:`.quantize`: tile ``t`` owns columns ``[128 t, 128 t + 128)``
-of ``data_t`` and scale rows ``[4 t, 4 t + 4)``). Every step reduces one 32-token block with both
-operands' E8M0 scales promoted in FP32 (exact: powers of two): ``acc += dot(g, x^T) * gs[:, None] *
-xs[None, :]``. Only the expert's ``cdiv(rows, 32)`` blocks are read (the zero tail of its last tile
-is skipped). Experts with no tokens store zeros. ``db1``/``db2`` reuse ``fp8_block.wgrad``'s per-tile
+of ``data_t`` and scale rows ``[4 t, 4 t + 4)``). Three loops, as in :mod:`.gemm`: one tile slot
+per step with both operands expanded exactly to BF16 in registers (``expand_bf16``, the default
+config), or read as BF16 values expanded before the wgrad (``data_t`` of dtype bfloat16, from
+``quantize.expand_values``); or one 32-token block per step with both operands' E8M0 scales promoted
+in FP32 (exact: powers of two), ``acc += dot(g, x^T) * gs[:, None] * xs[None, :]``, which reads
+only the expert's ``cdiv(rows, 32)`` blocks. Experts with no tokens store zeros. ``db1``/``db2`` reuse ``fp8_block.wgrad``'s per-tile
 column sums (:func:`~..fp8_block.wgrad.tile_sums_to_experts`).
 """
 
@@ -22,8 +24,7 @@ from ..block_scaled_launch import wgrad_operands
 from ..grouped_gemm import interpreting
 from ..schedule import swizzle
 from . import gemm as mx_gemm
-from .gemm import expand_bf16
-from .codec import mx_dequant_scale
+from .codec import expand_bf16, mx_dequant_scale
 from .quantize import MX, TILE, MXRows
 
 
@@ -37,13 +38,18 @@ class MXWgradConfig:
     expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see gemm.expand_bf16)
 
 
-def default_config() -> MXWgradConfig:
+def default_config(bf16_operands: bool = False) -> MXWgradConfig:
     """64 (N) x 128 (K) tiles at 4 warps, 3 stages: several CTAs per SM overlap one's operand expansion
     (or FP32 promotion) with another's wgmma. On the H200 (run 13) as fast as 128x128 at 8 warps with
-    the expand loop (3.69 vs 3.73 ms at DSv3), and 1.35x faster for fp8_block's promotion loop."""
+    the expand loop (3.69 vs 3.73 ms at DSv3), and 1.35x faster for fp8_block's promotion loop.
+    Reading BF16 values expanded before the GEMM: 128 x 128 at 8 warps, 3 stages (NVFP4's BF16-valued
+    wgrad on the H200, run 15: 512 TFLOP/s vs 380 at 64 x 128, 4 warps)."""
     expand = mx_gemm.EXPAND_BF16_DEFAULT
     if interpreting():
-        return MXWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1, expand_bf16=expand)
+        return MXWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1,
+                             expand_bf16=expand or bf16_operands)
+    if bf16_operands:
+        return MXWgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, expand_bf16=True)
     return MXWgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, expand_bf16=expand)
 
 
@@ -53,8 +59,8 @@ def mx_wgrad_kernel(
     x_src, stride_xk, xs_ptr, stride_xsb,
     dw_ptr, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
-    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    BT: tl.constexpr, TILE_M: tl.constexpr, MX_BLOCK: tl.constexpr, GROUP_N: tl.constexpr,
+    USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EXPAND: tl.constexpr, BF16: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, BT: tl.constexpr, TILE_M: tl.constexpr, MX_BLOCK: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     expert = tl.program_id(1)
@@ -88,12 +94,18 @@ def mx_wgrad_kernel(
             else:
                 g = tl.load(g_ptrs + slot * BT)
                 x = tl.load(x_ptrs + slot * BT)
-            sub = tl.arange(0, BT // MX_BLOCK)
-            valid = (t * BT + sub * MX_BLOCK < rows_total)[None, :]
-            blk = slot * (BT // MX_BLOCK) + sub
-            gs = tl.where(valid, tl.load(gs_ptr + blk[None, :] * stride_gsb + n_in[:, None]), 127)
-            xs = tl.where(valid, tl.load(xs_ptr + blk[None, :] * stride_xsb + k_in[:, None]), 127)
-            acc = tl.dot(expand_bf16(g, gs, BN, BT, UPCAST), tl.trans(expand_bf16(x, xs, BK, BT, UPCAST)), acc)
+            if BF16:  # values expanded before the GEMM (zeros past the expert's end, like the codes)
+                if UPCAST:
+                    g = g.to(tl.float32)
+                    x = x.to(tl.float32)
+                acc = tl.dot(g, tl.trans(x), acc)
+            else:
+                sub = tl.arange(0, BT // MX_BLOCK)
+                valid = (t * BT + sub * MX_BLOCK < rows_total)[None, :]
+                blk = slot * (BT // MX_BLOCK) + sub
+                gs = tl.where(valid, tl.load(gs_ptr + blk[None, :] * stride_gsb + n_in[:, None]), 127)
+                xs = tl.where(valid, tl.load(xs_ptr + blk[None, :] * stride_xsb + k_in[:, None]), 127)
+                acc = tl.dot(expand_bf16(g, gs, BN, BT, UPCAST), tl.trans(expand_bf16(x, xs, BK, BT, UPCAST)), acc)
         last_block = first_block  # the promotion loop below does nothing
     for blk in range(first_block, last_block):
         if USE_TMA:
@@ -118,14 +130,19 @@ def mx_grouped_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, dw: torch.Ten
                      config: Optional[MXWgradConfig] = None) -> None:
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
-    cfg = config or default_config()
+    bf16 = g.data_t is not None and g.data_t.dtype == torch.bfloat16
+    if x.data_t is None or bf16 != (x.data_t.dtype == torch.bfloat16):
+        raise ValueError("g, x: both columnwise copies FP8 (data_t), or both their BF16 values (quantize.expand_values)")
+    cfg = config or default_config(bf16)
+    if bf16 and not cfg.expand_bf16:
+        raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
     block_t = TILE if cfg.expand_bf16 else MX  # tokens per step
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, block_t, mx_gemm.USE_TMA_DEFAULT)
     mx_wgrad_kernel[grid](
         *operands,
         schedule, n, k, num_experts + 1,
-        USE_TMA=use_tma, UPCAST=interpreting(), EXPAND=cfg.expand_bf16, BN=cfg.block_n, BK=cfg.block_k, BT=block_t,
+        USE_TMA=use_tma, UPCAST=interpreting(), EXPAND=cfg.expand_bf16, BF16=bf16, BN=cfg.block_n, BK=cfg.block_k, BT=block_t,
         TILE_M=TILE, MX_BLOCK=MX,
         GROUP_N=cfg.group_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
