@@ -166,6 +166,11 @@ class ActivationConfig:
     def gated(self) -> bool:
         return self.spec.gated
 
+    @property
+    def launch_args(self) -> dict:
+        """The activation's keyword arguments of the Triton backend's GEMM ``launch`` functions."""
+        return dict(activation=self.name, alpha=self.alpha, limit=self.limit, gated=self.gated)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.spec.forward(h, alpha=self.alpha, limit=self.limit)
 

@@ -233,7 +233,7 @@ def bench_kernels(shape: Shape, inputs, peak_tflops: float, fc1_config=None, fc2
     x, w1, w2, counts, dy = (inputs[k] for k in ("x", "w1", "w2", "counts", "dy"))
     T, H, F, n1 = x.shape[0], shape.hidden, shape.ffn, w1.shape[1]
     routed = int(counts.sum())
-    kw = dict(activation=act.name, alpha=act.alpha, limit=act.limit, gated=act.gated)
+    kw = act.launch_args
     h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
     a = torch.empty(T, F, device=x.device, dtype=x.dtype)
     y = torch.empty(T, H, device=x.device, dtype=x.dtype)

@@ -91,7 +91,7 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
     x, w1, w2, counts, dy = (inputs[name] for name in ("x", "w1", "w2", "counts", "dy"))
     T, H, F, E, n1 = x.shape[0], shape.hidden, shape.ffn, shape.experts, w1.shape[1]
     routed = int(counts.sum())
-    kw = dict(activation=act.name, alpha=act.alpha, limit=act.limit, gated=act.gated)
+    kw = act.launch_args
     sched = build_schedule(counts, T, quantize.TILE)
     rows = lambda t, s: quantize.quantize_rows(t, sched, E, s, rowwise=True, colwise=True)
     w1q, w2q = quantize.quantize_weight(w1, weight_spec), quantize.quantize_weight(w2, weight_spec)

@@ -304,7 +304,7 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
     x, w1, w2, counts, dy = (inputs[name] for name in ("x", "w1", "w2", "counts", "dy"))
     T, H, F, E, n1 = x.shape[0], shape.hidden, shape.ffn, shape.experts, w1.shape[1]
     routed = int(counts.sum())
-    kw = dict(activation=act.name, alpha=act.alpha, limit=act.limit, gated=act.gated)
+    kw = act.launch_args
     sched = build_schedule(counts, T, k.tile)
     quantize_kw = {} if recipe != "fp8_block" else dict(num_warps=quantize_warps, maxnreg=quantize_maxnreg)
     quantize = lambda t: k.quantize_rows(t, sched, E, spec, rowwise=True, colwise=True, **quantize_kw)

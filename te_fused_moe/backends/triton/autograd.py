@@ -36,8 +36,7 @@ class TritonExpertMLP(torch.autograd.Function):
     def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, deterministic):
         num_rows, hidden = x.shape
         ffn = w2.shape[2]
-        gated = activation.gated
-        act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=gated)
+        act = activation.launch_args
         h = new_buffer((num_rows, w1.shape[1]), x)
         a = new_buffer((num_rows, ffn), x)
         y = new_buffer((num_rows, hidden), x)

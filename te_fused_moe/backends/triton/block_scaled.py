@@ -117,7 +117,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         num_rows, hidden = x.shape
         num_experts, n1, _ = w1.shape
         ffn = w2.shape[2]
-        act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
+        act = activation.launch_args
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec, ctx.kernels = act, grad_spec, k
         ctx.read = read = k.operand_reader()

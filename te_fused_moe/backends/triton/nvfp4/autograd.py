@@ -79,7 +79,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         num_rows, hidden = x.shape
         num_experts, n1, _ = w1.shape
         ffn = w2.shape[2]
-        act = dict(activation=activation.name, alpha=activation.alpha, limit=activation.limit, gated=activation.gated)
+        act = activation.launch_args
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec = act, grad_spec
         ctx.expand = expand = EXPAND_BEFORE_GEMM  # backward reads its operands the same way
