@@ -479,6 +479,7 @@ def sm90_build_report() -> dict:
     from sm90_build import build_sm90 as build
 
     from te_fused_moe.backends.triton.act_math import ACT_IDS
+    from te_fused_moe.backends.triton.block_scaled_launch import GEMM_MODES, MODE_DACT, MODE_PLAIN
     from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q, wgrad as W
 
     spec = Q.MXSpec().constexprs()
@@ -499,13 +500,13 @@ def sm90_build_report() -> dict:
                                          ("dgrad_values", "dgrad", False, "swiglu", "bf16")):
         values = a_dt == "bf16"
         cfg = gemm.default_config(kind, values)
-        mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
+        mode = GEMM_MODES[kind]
         bk = gemm.EXPAND_BLOCK_K if cfg.expand_bf16 else 32
         b_dt = "bf16" if values else "fp8e4nv"
         types = dict(ptrs, a_src=f"tensordesc<{a_dt}[128, {bk}]>", b_src=f"tensordesc<{b_dt}[{cfg.block_n}, {bk}]>")
-        quant = mode != gemm.MODE_PLAIN
+        quant = mode != MODE_PLAIN
         consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
-                      WRITE_DPROB=mode == gemm.MODE_DACT, WRITE_DBIAS=mode == gemm.MODE_DACT, ROWWISE=quant,
+                      WRITE_DPROB=mode == MODE_DACT, WRITE_DBIAS=mode == MODE_DACT, ROWWISE=quant,
                       COLWISE=quant, USE_TMA=True, UPCAST=False, SPLIT_EPILOGUE=quant and cfg.split_epilogue, **spec,
                       EXPAND=cfg.expand_bf16, A_BF16=values, B_BF16=values, BM=128, BN=cfg.block_n, BK=bk,
                       GROUP_M=cfg.group_m)

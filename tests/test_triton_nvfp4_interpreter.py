@@ -428,6 +428,7 @@ def sm90_build_report() -> dict:
     from sm90_build import build_sm90 as build
 
     from te_fused_moe.backends.triton.act_math import ACT_IDS
+    from te_fused_moe.backends.triton.block_scaled_launch import GEMM_MODES, MODE_DACT, MODE_PLAIN
     from te_fused_moe.backends.triton.nvfp4 import gemm, quantize as Q, wgrad as W
 
     ptrs = dict(as_ptr="*u8", bs_ptr="*u8", amax_a_ptr="*fp32", amax_b_ptr="*fp32", c_ptr="*bf16", h_ptr="*bf16",
@@ -443,14 +444,14 @@ def sm90_build_report() -> dict:
             ("dact_swiglu_values", "dact", True, "swiglu", True, True),
             ("dgrad_values", "dgrad", False, "swiglu", True, True)):
         cfg = gemm.default_config(kind, a_bf16)
-        mode = {"fc1": gemm.MODE_FC1, "fc2": gemm.MODE_PLAIN, "dact": gemm.MODE_DACT, "dgrad": gemm.MODE_PLAIN}[kind]
+        mode = GEMM_MODES[kind]
         box = lambda bf16, rows: f"tensordesc<{'bf16' if bf16 else 'u8'}[{rows}, {gemm.BLOCK_K // 2}]>"
         types = dict(ptrs, a_src=box(a_bf16, 128), b_src=box(b_bf16, cfg.block_n))
-        if mode != gemm.MODE_PLAIN:
+        if mode != MODE_PLAIN:
             types["c_ptr"] = "*fp32"
         consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
-                      WRITE_DPROB=mode == gemm.MODE_DACT, USE_TMA=True, UPCAST=False,
-                      SPLIT_EPILOGUE=mode == gemm.MODE_DACT and cfg.split_epilogue, A_BF16=a_bf16, B_BF16=b_bf16,
+                      WRITE_DPROB=mode == MODE_DACT, USE_TMA=True, UPCAST=False,
+                      SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, A_BF16=a_bf16, B_BF16=b_bf16,
                       BM=128, BN=cfg.block_n, BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
         report[name] = build(gemm.nv_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
     for bf16 in (False, True):

@@ -9,6 +9,10 @@ from typing import Optional
 
 import torch
 
+# The block-scaled GEMM kernels' MODE constexpr, and the mode each GEMM of the expert MLP runs in
+MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
+GEMM_MODES = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}
+
 
 def tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned bases and row strides and unit inner strides."""

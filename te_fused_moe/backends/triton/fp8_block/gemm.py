@@ -39,13 +39,13 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
-from ..block_scaled_launch import kernel_operands, operand_sources, quantized_copies, tma_allowed
+from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands,
+                                   operand_sources, quantized_copies, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
 from .quantize import BLOCK, FLOAT32_MAX, FP8Spec, row_block
 
-MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
 
@@ -351,7 +351,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     half for gated FC1/DACT). ``q`` (FC1/DACT): a :class:`~.quantize.QuantizedRows` whose present
     copies are written. ``dprob``: FP32 ``[cdiv(n, BN), T]`` partials; ``dbias``: FP32
     ``[max_m_tiles, width]`` per-tile column sums of ``dh``."""
-    mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
+    mode = GEMM_MODES[kind]
     cfg = config or default_config(kind)
     num_rows, k = a.shape
     if k % BLOCK or n % BLOCK:

@@ -47,13 +47,13 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
-from ..block_scaled_launch import kernel_operands, operand_sources, quantized_copies, tma_allowed
+from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands,
+                                   operand_sources, quantized_copies, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import expand_bf16, mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
 
-MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
 EXPAND_BLOCK_K = 128  # K step of the expand_bf16 loop: four scale blocks
 # The GEMMs' default inner loop: BF16 wgmma on exactly expanded operands (True) or FP8 wgmma per 32-K
 # block with FP32 promotion (False). Measured on the H200 (benchmarks/NOTES.md, run 13).
@@ -372,7 +372,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     columns (the gate half for gated FC1/DACT). ``q`` (FC1/DACT): an :class:`~.quantize.MXRows` whose present
     copies are written with ``spec``'s format (the GEMM operands' formats are their dtypes).
     ``dprob``: FP32 ``[n / block_n, T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
-    mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
+    mode = GEMM_MODES[kind]
     a_bf16, b_bf16 = a.dtype == torch.bfloat16, b.dtype == torch.bfloat16
     cfg = config or default_config(kind, a_bf16 and b_bf16)
     if (a_bf16 or b_bf16) and not cfg.expand_bf16:

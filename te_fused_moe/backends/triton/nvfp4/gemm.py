@@ -40,13 +40,12 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, to_output
-from ..block_scaled_launch import operand_sources, or_dummy, tma_allowed
+from ..block_scaled_launch import GEMM_MODES, MODE_DACT, operand_sources, or_dummy, tma_allowed
 from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import DEQUANT_FACTOR, e2m1_expand_halves
 from .quantize import TILE
 
-MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
 BLOCK_K = 128  # elements per K step: 64 bytes of packed codes, eight scale blocks
 USE_TMA_DEFAULT = True  # tests flip it to cover the pointer-load path under the interpreter
 
@@ -217,7 +216,7 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     copy); ``n`` output columns (the gate half for gated FC1/DACT). ``c``: the output (``y`` / ``dx``
     in PLAIN mode, FP32 ``a`` for FC1, FP32 ``dh`` for DACT, its up half at ``c_up_offset``).
     ``dprob``: FP32 ``[n / block_n, T]`` partials."""
-    mode = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}[kind]
+    mode = GEMM_MODES[kind]
     cfg = config or default_config(kind, a.values is not None)
     a_data, a_scale = a.data, a.scale
     b_data, b_scale = (b.data_t, b.scale_t) if b_transposed else (b.data, b.scale)
