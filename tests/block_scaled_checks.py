@@ -1,6 +1,6 @@
-"""The whole-MLP check shared by the FP8 block and MXFP8 Triton tests (interpreter and GPU): the
-Triton path and the reference backend's emulation of the same recipe, forward + backward on the
-same random problem, with every kernel buffer poisoned if asked."""
+"""Checks shared by the block-scaled recipes' Triton tests (FP8 block, MXFP8, NVFP4; interpreter and
+GPU): the whole MLP against the reference backend's emulation of the same recipe, forward + backward
+on the same random problem, with every kernel buffer poisoned if asked; no host syncs after warm-up."""
 
 from __future__ import annotations
 
@@ -84,6 +84,32 @@ def no_host_syncs():
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def assert_no_host_syncs_after_warmup(recipe) -> None:
+    """A second forward + backward of ``recipe`` on ``backend='triton'`` (kernels compiled, weights
+    cached) under sync-debug mode 'error', with finite outputs and gradients."""
+    from moe_reference import random_problem
+
+    from te_fused_moe import fused_moe_mlp
+
+    T, H, F, E, act = 2048, 256, 256, 8, "swiglu"
+    p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device="cuda", bias=True, probs=True,
+                       routing="empty", padding=5, seed=11)
+    leaves = {k: (p[k].clone().requires_grad_(True) if (k in GRADS and p[k] is not None) else p[k]) for k in p}
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation=act,
+                          recipe=recipe, b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"], backend="triton")
+        y.backward(dy)
+        return y
+
+    fwd_bwd()
+    with no_host_syncs():
+        y = fwd_bwd()
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all() and all(torch.isfinite(leaves[k].grad).all() for k in GRADS)
 
 
 def assert_within(case_id: str, res: dict, bound: float, fp64_bound: float) -> None:

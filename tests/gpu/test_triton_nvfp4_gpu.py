@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 
-from block_scaled_checks import GRADS, assert_within, no_host_syncs
+from block_scaled_checks import assert_no_host_syncs_after_warmup, assert_within, no_host_syncs
 from moe_reference import capture_cuda_graph, graph_replay_errors, random_problem
 
 import test_triton_nvfp4_interpreter as checks
@@ -94,24 +94,7 @@ def test_mlp_with_stochastic_rounding_gpu():
 
 
 def test_no_host_syncs_after_warmup():
-    T, H, F, E, act = 2048, 256, 256, 8, "swiglu"
-    p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device="cuda", bias=True, probs=True,
-                       routing="empty", padding=5, seed=11)
-    leaves = {k: (p[k].clone().requires_grad_(True) if (k in GRADS and p[k] is not None) else p[k]) for k in p}
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-
-    def fwd_bwd():
-        y = fused_moe_mlp(leaves["x"], leaves["tokens_per_expert"], leaves["w1"], leaves["w2"], activation=act,
-                          recipe=NVFP4BlockScaling(), b1=leaves["b1"], b2=leaves["b2"], probs=leaves["probs"],
-                          backend="triton")
-        y.backward(dy)
-        return y
-
-    fwd_bwd()
-    with no_host_syncs():
-        y = fwd_bwd()
-    torch.cuda.synchronize()
-    assert torch.isfinite(y).all() and all(torch.isfinite(leaves[k].grad).all() for k in GRADS)
+    assert_no_host_syncs_after_warmup(NVFP4BlockScaling())
 
 
 def test_cuda_graph_replay_with_changing_routing_nvfp4():
