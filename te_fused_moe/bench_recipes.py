@@ -22,6 +22,7 @@ recorded with their error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -213,28 +214,45 @@ for _recipe in RECIPES:
     IMPLEMENTATIONS[f"{_recipe}_fused"] = _fused(_recipe)
 
 
+@contextlib.contextmanager
+def _module_flags(module_name: str, flags: Dict):
+    """Module attributes ``flags`` set inside, restored after."""
+    import importlib
+
+    module = importlib.import_module(module_name, __package__)
+    defaults = {name: getattr(module, name) for name in flags}
+    try:
+        for name, value in flags.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in defaults.items():
+            setattr(module, name, value)
+
+
 def _fused_with(recipe: str, **flags):
     """The fused path with module flags of the recipe's ``autograd`` module set for its forward (the
     backward reads what the forward chose), e.g. ``EXPAND_BEFORE_GEMM=False``."""
-    import importlib
-
     def run(x, counts, w1, w2, activation):
-        module = importlib.import_module(f".backends.triton.{recipe}.autograd", __package__)
-        defaults = {name: getattr(module, name) for name in flags}
-        try:
-            for name, value in flags.items():
-                setattr(module, name, value)
+        with _module_flags(f".backends.triton.{recipe}.autograd", flags):
             return _fused(recipe)(x, counts, w1, w2, activation)
-        finally:
-            for name, value in defaults.items():
-                setattr(module, name, value)
 
     return run
 
 
-# Variants of the expanding recipes: the GEMMs expanding quantized operands in their K loops (no
-# transient BF16 values; the default before run 15), and NVFP4's weight cache holding BF16 values
-VARIANTS = {"mxfp8": {"mxfp8_fused_k_loop": _fused_with("mxfp8", EXPAND_BEFORE_GEMM=False)},
+def _fused_under(recipe: str, module: str, **flags):
+    """The fused path with module flags of ``backends.triton.<recipe>.<module>`` set while it is timed,
+    forward and backward (``bench_impl`` enters ``run.context``)."""
+    run = _fused(recipe)
+    run.context = lambda: _module_flags(f".backends.triton.{recipe}.{module}", flags)
+    return run
+
+
+# Variants: the expanding recipes' GEMMs expanding quantized operands in their K loops (no transient
+# BF16 values; the default before run 15), NVFP4's weight cache holding BF16 values, and the FP8 block
+# plain GEMMs (FC2, FC1 dgrad) on the Triton kernel instead of the Gluon one (the default on sm_90)
+VARIANTS = {"fp8_block": {"fp8_block_fused_triton_plain": _fused_under("fp8_block", "gemm", PLAIN_ENGINE="triton")},
+            "mxfp8": {"mxfp8_fused_k_loop": _fused_with("mxfp8", EXPAND_BEFORE_GEMM=False)},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_with("nvfp4", EXPAND_BEFORE_GEMM=False),
                       "nvfp4_fused_bf16_weights": _fused_with("nvfp4", BF16_WEIGHT_VALUES=True)}}
 for _variants in VARIANTS.values():
@@ -277,7 +295,8 @@ def fp8_ceiling_tflops() -> float:
 
 def bench_impl(name: str, shape: bench.Shape, inputs, peak: float, fn) -> Dict:
     try:
-        return bench.bench_implementation(name, shape, inputs, peak, fn=fn)
+        with getattr(fn, "context", contextlib.nullcontext)():
+            return bench.bench_implementation(name, shape, inputs, peak, fn=fn)
     except Exception as exc:  # recorded, not fatal: the other implementations still run
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
 
@@ -372,6 +391,12 @@ def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
 
         configs = {
             "default": {},
+            # FC2 / FC1 dgrad on the Triton kernel (the default before the Gluon one)
+            "plain_triton": dict(gemm_config=G(num_stages=4, plain_engine="triton")),
+            # the Gluon kernel's pipeline depth (4 x 32 KB of tiles by default) and L2 band
+            "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
+            "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
+            "plain_gluon_s4_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
             # quantize: register caps that let two CTAs share an SM (one's loads under the other's math)
             "quantize_w8_r128": dict(quantize_warps=8, quantize_maxnreg=128),
             "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),

@@ -22,24 +22,50 @@ def have_tools() -> bool:
     return all(os.path.exists(os.path.join(tools_dir(), b)) for b in TOOLS)
 
 
+def _signature(fn, types: dict, consts: dict):
+    """The compile signature (arguments not in ``types`` are i32) and the divisibility attrs: a real
+    launch specialises pointers and 16-divisible strides/sizes on divisibility by 16 (vectorised
+    accesses); without these hints the build looks far more register-bound."""
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(types)
+    sig.update({c: "constexpr" for c in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
+    return sig, attrs
+
+
 def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4) -> dict:
     """Compiles jit function ``fn`` for sm_90a (arguments not in ``types`` are i32, ``consts`` are
-    constexprs). Returns its stack (spill) bytes, its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma
-    counts, its dynamic shared memory bytes and, when it has wgmma, whether its K loop was found and
-    the spill loads/stores inside it."""
+    constexprs). Returns :func:`analyze` of the build."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {n: "i32" for n in fn.arg_names}
-    sig.update(types)
-    sig.update({c: "constexpr" for c in consts})
-    # a real launch specialises pointers and 16-divisible strides/sizes on divisibility by 16
-    # (vectorised accesses); without these hints the build looks far more register-bound
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
+    sig, attrs = _signature(fn, types, consts)
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
+    return analyze(k)
+
+
+def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int) -> dict:
+    """:func:`build_sm90` for a Gluon kernel (tensor-descriptor types from
+    ``triton.runtime.jit.mangle_type`` of a host descriptor)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, attrs = _signature(fn, types, dict(consts, num_warps=num_warps))
+    k = triton.compile(GluonASTSource(fn, sig, dict(consts, num_warps=num_warps), attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return analyze(k)
+
+
+def analyze(k) -> dict:
+    """A compiled kernel's stack (spill) bytes, its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma
+    counts, how many FP8 wgmmas share a commit group with the next one (``qgmma_grouped``: 0 when
+    ptxas serialised them) and the waits that leave one group in flight (``wait_le1``), its dynamic
+    shared memory bytes and, when it has wgmma, whether its K loop was found and the spill
+    loads/stores inside it."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
@@ -49,7 +75,9 @@ def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: in
         sass = subprocess.run([os.path.join(tools_dir(), "nvdisasm"), path], capture_output=True, text=True,
                               check=True).stdout.splitlines()
     out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
-           "hgmma": sum("HGMMA" in l for l in sass), "shared": k.metadata.shared}
+           "hgmma": sum("HGMMA" in l for l in sass), "shared": k.metadata.shared,
+           "qgmma_grouped": sum("QGMMA" in l and "gsb0" not in l for l in sass),
+           "wait_le1": sum("WARPGROUP.DEPBAR.LE gsb0, 0x1" in l for l in sass)}
     # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
     mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
     if mma:

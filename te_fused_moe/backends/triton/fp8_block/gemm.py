@@ -48,6 +48,10 @@ from .quantize import BLOCK, FLOAT32_MAX, FP8Spec, row_block
 
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
+# Which kernel runs the plain GEMMs (FC2, FC1 dgrad) by default: "auto" = the Gluon kernel of
+# :mod:`.wgmma_gemm` on sm_90 (promotion under the next wgmma), this module's Triton kernel elsewhere
+# and under the interpreter; "triton" / "gluon" force one (benchmarks compare both in one process).
+PLAIN_ENGINE = "auto"
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class FP8GemmConfig:
     num_stages: int = 3
     use_tma: bool = True
     split_epilogue: bool = True  # FC1 and dGLU epilogues in two 64-column halves (register pressure)
+    plain_engine: Optional[str] = None  # FC2 / FC1 dgrad: "auto", "gluon" or "triton"; None = PLAIN_ENGINE
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
@@ -358,6 +363,11 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         raise ValueError(f"FP8 block GEMM: K={k} and N={n} must be multiples of {BLOCK}")
     if mode != MODE_PLAIN and cfg.block_n != BLOCK:
         raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")
+    if mode == MODE_PLAIN and _plain_on_gluon(cfg, a, b):
+        from .wgmma_gemm import launch_plain
+
+        return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
+                            num_stages=cfg.num_stages)
     m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     rowwise, colwise = quantized_copies(q)
@@ -375,3 +385,20 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _plain_on_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a plain GEMM runs the Gluon kernel: "auto" where it can, "gluon" or an error."""
+    engine = cfg.plain_engine or PLAIN_ENGINE
+    if engine == "triton" or (engine == "auto" and interpreting()):
+        return False
+    if engine not in ("auto", "gluon"):
+        raise ValueError(f"plain_engine: expected 'auto', 'gluon' or 'triton', got {engine!r}")
+    from .wgmma_gemm import usable
+
+    if usable(a, b):
+        return True
+    if engine == "gluon":
+        raise ValueError("plain_engine='gluon': the Gluon FP8 block GEMM needs an sm_90 GPU and FP8 operands with "
+                         f"TMA-legal layouts (got {a.dtype} on {a.device}, b {b.dtype}, contiguous={b.is_contiguous()})")
+    return False

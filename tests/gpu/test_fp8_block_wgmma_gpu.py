@@ -1,0 +1,126 @@
+"""The Gluon FP8 block GEMM (``fp8_block/wgmma_gemm.py``: FC2 forward and FC1 dgrad with the promotion
+under the next wgmma) on the H200, against FP64 and against the Triton kernel it replaces.
+
+Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py -s``.
+
+- Integer data in [-3, 3]: quantization is exact and every 128-block sum is a small integer (exact
+  in the FP8 wgmma's reduced-precision accumulator), so both kernels must give exactly the BF16
+  rounding of the FP64 product, over K = 1..16 blocks (the peeled first block, the two-block loop
+  and the odd tail), empty experts, ragged counts and padding rows (zeros).
+- Random data: vs FP64 on the dequantized operands, ``|out - ref| <= 2^-8 |ref| + 2^-9 (|A| @ |B|)``
+  (BF16 output rounding; the wgmma's ~14-bit accumulation inside a 128-block), and no worse in norm
+  than the Triton kernel. Outputs are poisoned with NaN first; E4M3 and E5M2 A, with and without bias.
+- No host syncs after the first launch (``set_sync_debug_mode("error")``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from block_scaled_checks import no_host_syncs
+from moe_reference import make_counts
+
+pytestmark = pytest.mark.gpu
+
+
+def _problem(T, K, N, E, fmt, integer, seed, routing="empty", padding=7):
+    from te_fused_moe.backends.triton.fp8_block import quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    g = torch.Generator().manual_seed(seed)
+    if integer:
+        a = torch.randint(-3, 4, (T, K), generator=g).float()
+        w = torch.randint(-3, 4, (E, N, K), generator=g).float()
+    else:
+        a = torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4
+        w = torch.randn(E, N, K, generator=g) * 0.05
+    counts = make_counts(T, E, routing, generator=g, padding=padding)
+    sched = build_schedule(counts.cuda(), T, 128)
+    aq = Q.quantize_rows(a.cuda().bfloat16(), sched, E, Q.FP8Spec.of(fmt, True), rowwise=True)
+    wq = Q.quantize_weight(w.cuda().bfloat16(), Q.FP8Spec.of("e4m3", True), transposed=False)
+    bias = (torch.randn(E, N, generator=g) * 0.1).cuda().bfloat16() if not integer else None
+    return aq, wq, counts, sched, bias
+
+
+def _reference(aq, wq, counts, bias):
+    """FP64 per expert on the dequantized operands, and the |A| @ |B| bound term."""
+    a = aq.data.double() * aq.scale.double().repeat_interleave(128, dim=1)
+    w = wq.data.double() * wq.scale.double().repeat_interleave(128, dim=1).repeat_interleave(128, dim=2)
+    ref = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64, device=a.device)
+    mag = torch.zeros_like(ref)
+    row = 0
+    for e, n in enumerate(counts.tolist()):
+        ref[row:row + n] = a[row:row + n] @ w[e].T + (bias[e].double() if bias is not None else 0)
+        mag[row:row + n] = a[row:row + n].abs() @ w[e].abs().T
+        row += n
+    return ref, mag, row
+
+
+def _run(engine, aq, wq, counts, sched, bias, n):
+    import dataclasses
+
+    from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
+
+    c = torch.full((aq.data.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine)
+    gemm.launch("fc2", aq.data, aq.scale, wq.data, wq.scale, n, sched, counts.numel(), Q.FP8Spec(), c=c, bias=bias,
+                config=cfg)
+    return c
+
+
+@pytest.mark.parametrize("k_blocks", [1, 2, 3, 4, 5, 16])
+def test_exact_on_integer_data(k_blocks):
+    aq, wq, counts, sched, _ = _problem(700, 128 * k_blocks, 256, 5, "e4m3", True, seed=k_blocks)
+    ref, _, routed = _reference(aq, wq, counts, None)
+    assert 0 in counts.tolist() and routed < 700
+    for engine in ("gluon", "triton"):
+        out = _run(engine, aq, wq, counts, sched, None, 256)
+        bad = int((out[:routed] != ref[:routed].to(torch.bfloat16)).sum())
+        pad = int((out[routed:] != 0).sum())  # also catches the NaN poison
+        print("WGMMA_EXACT", engine, k_blocks, bad, pad)
+        assert bad == 0 and pad == 0, (engine, k_blocks, bad, pad)
+
+
+@pytest.mark.parametrize("k_blocks,fmt,with_bias,routing", [(16, "e4m3", True, "zipf"), (7, "e5m2", False, "empty"),
+                                                           (32, "e5m2", True, "balanced"), (1, "e4m3", True, "one")])
+def test_random_data_vs_fp64_and_triton(k_blocks, fmt, with_bias, routing):
+    aq, wq, counts, sched, bias = _problem(1500, 128 * k_blocks, 384, 6, fmt, False, seed=10 + k_blocks,
+                                           routing=routing)
+    bias = bias if with_bias else None
+    ref, mag, routed = _reference(aq, wq, counts, bias)
+    errs = {}
+    for engine in ("gluon", "triton"):
+        out = _run(engine, aq, wq, counts, sched, bias, 384)
+        diff = (out[:routed].double() - ref[:routed]).abs()
+        far = int((diff > 2.0 ** -8 * ref[:routed].abs() + 2.0 ** -9 * mag[:routed]).sum())
+        errs[engine] = dict(far=far, nan=int(torch.isnan(out).sum()), pad=int((out[routed:] != 0).sum()),
+                            rel=float(diff.norm() / ref[:routed].norm()))
+    g_out, t_out = _run("gluon", aq, wq, counts, sched, bias, 384), _run("triton", aq, wq, counts, sched, bias, 384)
+    errs["bitwise_equal_fraction"] = float((g_out == t_out).double().mean())
+    print("WGMMA_RANDOM", k_blocks, fmt, json.dumps(errs))
+    for engine in ("gluon", "triton"):
+        e = errs[engine]
+        assert e["far"] == 0 and e["nan"] == 0 and e["pad"] == 0, (engine, errs)
+    assert errs["gluon"]["rel"] <= 1.05 * errs["triton"]["rel"] + 1e-6, errs
+
+
+def test_no_host_syncs_and_dgrad_shapes():
+    """FC1 dgrad's operands (dh [T, 2F] with E5M2 codes, w1's transposed copy) through the fused
+    path's own call, repeated under sync-debug "error" after a warm-up launch."""
+    from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
+
+    aq, wq, counts, sched, _ = _problem(2048, 512, 256, 4, "e5m2", False, seed=3, routing="balanced", padding=0)
+    assert gemm._plain_on_gluon(gemm.default_config("dgrad"), aq.data, wq.data)  # the default on sm_90
+    ref, mag, routed = _reference(aq, wq, counts, None)
+    c = torch.empty(2048, 256, device="cuda", dtype=torch.bfloat16)
+    launch = lambda: gemm.launch("dgrad", aq.data, aq.scale, wq.data, wq.scale, 256, sched, 4, Q.FP8Spec.of("e5m2", True),
+                                 c=c)
+    launch()
+    with no_host_syncs():
+        for _ in range(3):
+            launch()
+    diff = (c.double() - ref).abs()
+    assert int((diff > 2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag).sum()) == 0

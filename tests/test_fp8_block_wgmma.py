@@ -1,0 +1,83 @@
+"""The Gluon FP8 block GEMM (``fp8_block/wgmma_gemm.py``) on a CPU machine: Gluon has no interpreter,
+so CI builds it for sm_90a offline and checks the property it exists for, and the engine choice.
+Its numerics run on the H200: tests/gpu/test_fp8_block_wgmma_gpu.py.
+
+Build checks (ptxas from the Triton wheel): no spills; 4 FP8 wgmmas per 128-wide K block at each of
+the four issue sites (first block, the loop's two, the odd tail); the wgmmas of a block share one
+commit group (when a non-wgmma instruction touches an in-flight accumulator, ptxas serialises every
+wgmma and gives each its own group: C7514); waits that leave one group in flight (the promotion
+under the next wgmma); shared memory within the H200's 227 KB.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
+
+
+def sm90_build_report() -> dict:
+    """Builds the kernel as FC2 (E4M3 A, bias) and as FC1 dgrad (E5M2 A) launch it. Needs
+    TRITON_INTERPRET unset."""
+    from sm90_build import build_gluon_sm90
+    from triton.runtime.jit import mangle_type
+
+    from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
+
+    report = {}
+    for name, a_dtype, has_bias in (("fc2_e4m3_bias", torch.float8_e4m3fn, True),
+                                    ("dgrad_e5m2", torch.float8_e5m2, False)):
+        a_desc, b_desc = W.descriptors(torch.empty(1024, 2048, dtype=a_dtype),
+                                       torch.empty(4, 1024, 2048, dtype=torch.float8_e4m3fn))
+        types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32",
+                     c_ptr="*bf16", bias_ptr="*bf16", sched_ptr="*i32")
+        consts = dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES)
+        report[name] = build_gluon_sm90(W.fp8_block_gemm_wgmma_kernel, types, consts, num_warps=W.NUM_WARPS)
+    return report
+
+
+def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
+
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
+    report = report_in_subprocess("test_fp8_block_wgmma")
+    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2"}
+    for name, r in report.items():
+        assert r["stack"] == 0, (name, r)
+        assert r["qgmma"] == 16, (name, r)  # 4 per block x 4 issue sites
+        assert r["qgmma_grouped"] == 12, (name, r)  # 3 of each block's 4 join the group the 4th commits
+        assert r["wait_le1"] >= 3, (name, r)  # the loop's two waits and the tail's first
+        assert r["shared"] <= 227 * 1024, (name, r)
+
+
+def _operands(device="cpu"):
+    a = torch.zeros(256, 256, dtype=torch.float8_e4m3fn, device=device)
+    b = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn, device=device)
+    return a, b
+
+
+def test_engine_choice_and_errors():
+    import dataclasses
+
+    from te_fused_moe.backends.triton.fp8_block import gemm
+
+    a, b = _operands()
+    cfg = gemm.default_config("fc2")
+    assert cfg.plain_engine is None and gemm.PLAIN_ENGINE == "auto"
+    # auto: the Triton kernel where the Gluon one cannot run (here: no GPU)
+    assert not gemm._plain_on_gluon(cfg, a, b)
+    assert not gemm._plain_on_gluon(dataclasses.replace(cfg, plain_engine="triton"), a, b)
+    with pytest.raises(ValueError, match=r"plain_engine='gluon': the Gluon FP8 block GEMM needs an sm_90 GPU"):
+        gemm._plain_on_gluon(dataclasses.replace(cfg, plain_engine="gluon"), a, b)
+    with pytest.raises(ValueError, match=r"plain_engine: expected 'auto', 'gluon' or 'triton', got 'cutlass'"):
+        gemm._plain_on_gluon(dataclasses.replace(cfg, plain_engine="cutlass"), a, b)
+
+
+def test_usable_needs_fp8_tma_layouts():
+    from te_fused_moe.backends.triton.fp8_block.wgmma_gemm import usable
+
+    a, b = _operands()
+    assert not usable(a, b)  # CPU tensors
+    assert not usable(a.float(), b)
