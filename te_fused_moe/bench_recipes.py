@@ -376,6 +376,15 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
         "wgrad_w1": (lambda: k.grouped_wgrad(dh_cols, x_cols, sched, dw1, config=wgrad_config),
                      2.0 * routed * n1 * H, None),
     })
+    # the same GEMMs without their epilogues (plain mode, BF16 out): what the mainloops alone cost
+    h_plain, da_plain = torch.empty(T, n1, device=x.device, dtype=x.dtype), torch.empty(T, F, device=x.device,
+                                                                                        dtype=x.dtype)
+    kernels.update({
+        "fc1_gemm_only": (lambda: launch("fc2", *x_rows, *w1_fwd, n1, sched, E, spec, c=h_plain, config=gemm_config),
+                          2.0 * routed * H * n1, None),
+        "fc2_dgrad_gemm_only": (lambda: launch("fc2", *dy_rows, *w2_bwd, F, sched, E, spec, c=da_plain,
+                                               config=gemm_config), 2.0 * routed * H * F, None),
+    })
     if values:  # FP8 read, BF16 written, per copy
         kernels["expand_x_row_col"] = (lambda: (rows(xq), cols(xq)), None, 2 * T * H * 3.0)
         kernels["expand_weights"] = (lambda: [weight(w, t) for w in (w1q, w2q) for t in (False, True)], None,
@@ -396,9 +405,9 @@ def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
             # the Gluon kernel's pipeline depth (4 x 32 KB of tiles by default) and L2 band
             "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
-            "plain_gluon_s4_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
+            "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
             # quantize: register caps that let two CTAs share an SM (one's loads under the other's math)
-            "quantize_w8_r128": dict(quantize_warps=8, quantize_maxnreg=128),
+            "quantize_w16_r255": dict(quantize_warps=16, quantize_maxnreg=255),  # the default before run 16
             "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),
             "quantize_w4_r128": dict(quantize_warps=4, quantize_maxnreg=128),
         }

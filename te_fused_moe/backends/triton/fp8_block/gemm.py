@@ -77,7 +77,8 @@ def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
         return FP8GemmConfig(block_n=128, num_stages=3)
     if kind in ("fc2", "dgrad"):
         # BN=128: the promoted accumulator and the dot's fresh result are both live (2 x 64 registers
-        # per thread at 8 warps); BN=256 would need 2 x 128 and spill
+        # per thread at 8 warps; 3 x 64 in the Gluon kernel); BN=256 would need 2 x 128 and spill.
+        # Bands of 16 M tiles instead of 8: within the run-to-run spread (runs 16a-b)
         return FP8GemmConfig(block_n=128, num_stages=4)
     raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
 
