@@ -62,6 +62,9 @@ MLP_CASES = [
     ("swiglu-hybrid-e5m2-grads", 260, 256, 128, 3, "swiglu", True, True, "zipf", 3, True, False, True, (), "HYBRID"),
 ]
 
+# run again with FC1 and the dGLU as the plain GEMM + the epilogue alone (gated and not, bias, padding)
+SEPARATE_EPILOGUE_CASES = ("swiglu-empty-pad", "srelu-one", "swiglu-hybrid-e5m2-grads")
+
 
 # --- 1. codec -----------------------------------------------------------------------------------
 
@@ -262,7 +265,7 @@ def check_weight_cache(device: str) -> dict:
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
 def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, use_tma: bool = True,
-                        split_epilogue: bool = True) -> dict:
+                        split_epilogue: bool = True, epilogue: str = "auto") -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives a power-of-2 scale with
     3*scale representable), GEMM sums are small integers (exact in any order, also in the FP8 wgmma's
     reduced-precision accumulator), so every kernel output has one right answer. ``srelu`` keeps the
@@ -295,8 +298,12 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     aq = Q.QuantizedRows(alloc((T, F), device=device, dtype=spec.torch_dtype), Q.new_row_scales(T, F, h, alloc),
                          Q.new_transposed(F, T, E, h, spec.torch_dtype, alloc), alloc((tiles, F), device=device, dtype=torch.float32))
     p = d(probs, torch.float32)
+    import dataclasses
+
+    fc1_cfg = dataclasses.replace(gemm.default_config("fc1"), epilogue=epilogue)
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
-                b_up_rows=F, probs=p, activation=activation, gated=act.gated, alpha=act.alpha, limit=act.limit)
+                b_up_rows=F, probs=p, activation=activation, gated=act.gated, alpha=act.alpha, limit=act.limit,
+                config=fc1_cfg)
     y = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=alloc)
@@ -304,9 +311,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
                           Q.new_transposed(n1, T, E, h, spec.torch_dtype, alloc), alloc((tiles, n1), device=device, dtype=torch.float32))
     dprob = _poisoned(torch.empty(F // 128, T, device=device))
     dbias = _poisoned(torch.empty(tiles, n1, device=device))
-    import dataclasses
-
-    dact_cfg = dataclasses.replace(gemm.default_config("dact"), split_epilogue=split_epilogue)
+    dact_cfg = dataclasses.replace(gemm.default_config("dact"), split_epilogue=split_epilogue, epilogue=epilogue)
     gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, q_up_offset=F, h=h,
                 h_up_offset=F, probs=p, dprob=dprob, dbias=dbias, activation=activation, gated=act.gated,
                 alpha=act.alpha, limit=act.limit, config=dact_cfg)
@@ -385,7 +390,8 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
 
 # --- 4. the whole MLP vs the reference backend ----------------------------------------------------
 
-def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_context=None) -> dict:
+def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_context=None,
+                 epilogues: str = "auto") -> dict:
     """Forward + backward of the Triton FP8 path and of the reference backend on the same random
     problem; ``triton_context`` (a context-manager factory) wraps the Triton call only (the GPU test
     raises on host syncs there)."""
@@ -403,7 +409,12 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
-    return compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
+    # FC1 / dGLU as one kernel each, or as the plain GEMM + the epilogue alone ("auto": the latter on sm_90)
+    gemm.FC1_EPILOGUE = gemm.DACT_EPILOGUE = epilogues
+    try:
+        return compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
+    finally:
+        gemm.FC1_EPILOGUE = gemm.DACT_EPILOGUE = "auto"
 
 def check_dispatch(device: str) -> dict:
     """fused_moe_mlp(backend='triton') takes the FP8 path; shapes it refuses raise with the argument
@@ -451,9 +462,12 @@ def _worker() -> None:
         "exact": check_kernels_exact("cpu"),
         "exact_ptr": check_kernels_exact("cpu", seed=1, use_tma=False),
         "exact_unsplit": check_kernels_exact("cpu", seed=2, split_epilogue=False),
+        "exact_separate_epilogues": check_kernels_exact("cpu", seed=3, epilogue="separate"),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
+        "mlp_separate": {case[0]: run_mlp_case(case, "cpu", epilogues="separate") for case in MLP_CASES
+                         if case[0] in SEPARATE_EPILOGUE_CASES},
     }
     print("RESULTS" + json.dumps(results))
 
@@ -484,7 +498,7 @@ def test_weight_cache_refreshes_once_per_step(results):
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("key", ["exact", "exact_ptr", "exact_unsplit"])
+@pytest.mark.parametrize("key", ["exact", "exact_ptr", "exact_unsplit", "exact_separate_epilogues"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered
@@ -508,7 +522,17 @@ def test_bench_unfused_baseline_is_the_same_recipe(results):
 
 @pytest.mark.parametrize("case", MLP_CASES, ids=[c[0] for c in MLP_CASES])
 def test_mlp_matches_reference_emulation(results, case):
-    res = results["mlp"][case[0]]
+    check_mlp_case(results["mlp"][case[0]], case)
+
+
+@pytest.mark.parametrize("case", [c for c in MLP_CASES if c[0] in SEPARATE_EPILOGUE_CASES],
+                         ids=[c for c in SEPARATE_EPILOGUE_CASES])
+def test_mlp_with_separate_epilogues_matches_reference_emulation(results, case):
+    """FC1 and the dGLU as the plain GEMM into FP32 + the epilogue alone (the default on sm_90)."""
+    check_mlp_case(results["mlp_separate"][case[0]], case)
+
+
+def check_mlp_case(res, case):
     frozen, bias, probs = case[13], case[6], case[7]
     expected = {"y", "x", "w1", "w2"} | ({"b1", "b2"} if bias else set()) | ({"probs"} if probs else set())
     assert set(res["grads"]) == expected - set(frozen)

@@ -51,10 +51,14 @@ def test_weight_cache_on_gpu():
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("tma,seed,split", [(True, 0, True), (True, 1, True), (False, 0, True), (True, 2, False)],
-                         ids=["tma-empty", "tma", "ptr-empty", "unsplit-epilogue"])
-def test_every_kernel_exact_on_integer_data_gpu(tma, seed, split):
-    bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma, split_epilogue=split)
+@pytest.mark.parametrize("tma,seed,split,epilogue", [(True, 0, True, "auto"), (True, 1, True, "auto"),
+                                                      (False, 0, True, "auto"), (True, 2, False, "auto"),
+                                                      (True, 3, True, "fused"), (True, 4, False, "fused")],
+                         ids=["tma-empty", "tma", "ptr-empty", "unsplit-epilogue", "fused", "fused-unsplit"])
+def test_every_kernel_exact_on_integer_data_gpu(tma, seed, split, epilogue):
+    """On sm_90 "auto" runs FC1 and the dGLU as the Gluon GEMM + the epilogue alone; "fused" as one
+    kernel each."""
+    bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma, split_epilogue=split, epilogue=epilogue)
     print("FP8_EXACT", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)
@@ -77,6 +81,14 @@ def test_mlp_matches_reference_emulation_gpu(case):
     print("FP8_MLP", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
     bound, fp64_bound = (GPU_BOUND, GPU_FP64_BOUND) if case[10] else (HBF16_BOUND, HBF16_BOUND)
     assert_within(case[0], res, bound, fp64_bound)
+
+
+def test_mlp_with_one_kernel_epilogues_gpu():
+    """FC1 and the dGLU as one kernel each (the default before run 16; "auto" separates them on sm_90)."""
+    case = GPU_CASES[0]
+    res = checks.run_mlp_case(case, "cuda", poison=True, triton_context=no_host_syncs, epilogues="fused")
+    print("FP8_MLP_FUSED_EPILOGUES", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
+    assert_within(case[0], res, GPU_BOUND, GPU_FP64_BOUND)
 
 
 def test_cuda_graph_replay_with_changing_routing_fp8():

@@ -52,6 +52,18 @@ USE_TMA_DEFAULT = True
 # :mod:`.wgmma_gemm` on sm_90 (promotion under the next wgmma), this module's Triton kernel elsewhere
 # and under the interpreter; "triton" / "gluon" force one (benchmarks compare both in one process).
 PLAIN_ENGINE = "auto"
+# How the FC1 and dGLU kernels run: "fused" = one kernel (K loop, then the activation + quantize
+# epilogue); "separate" = the plain GEMM writes the accumulator in FP32 ([T, N], transient), then the
+# same kernel with ``ACC_IN`` runs the epilogue alone on it: the same FP32 values through the same
+# code, so the same bytes out. "auto" separates where the plain GEMM runs on the Gluon kernel. Why:
+# at DSv3 on the H200 the dGLU GEMM alone takes ~1.05 ms and the fused dGLU kernel 2.86 ms (run 16b:
+# its 255-register, one-CTA-per-SM epilogue stalls on instruction fetch and latency with nothing to
+# overlap it); FC1 2.0-2.1 ms alone vs 2.85 fused.
+FC1_EPILOGUE = "auto"
+DACT_EPILOGUE = "auto"
+# The epilogue alone runs at 16 warps (128 registers): dGLU 1.98 -> 1.75 ms at DSv3 vs 8 warps, FC1
+# unchanged (run 16c); 1.75 + the GEMM vs 2.86 ms for the fused dGLU kernel.
+EPILOGUE_ALONE_WARPS = 16
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,7 @@ class FP8GemmConfig:
     use_tma: bool = True
     split_epilogue: bool = True  # FC1 and dGLU epilogues in two 64-column halves (register pressure)
     plain_engine: Optional[str] = None  # FC2 / FC1 dgrad: "auto", "gluon" or "triton"; None = PLAIN_ENGINE
+    epilogue: Optional[str] = None  # FC1 / dGLU: "auto", "separate" or "fused"; None = FC1_ / DACT_EPILOGUE
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
@@ -174,7 +187,7 @@ def fp8_grouped_gemm_kernel(
     T, N, K, alpha, limit, value_for_inf, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
-    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, ACC_IN: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -208,36 +221,43 @@ def fp8_grouped_gemm_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    k_tiles = tl.where(is_padding, 0, K // BK)
-    for kt in range(0, k_tiles):
-        k0 = kt * BK
-        if USE_TMA:
-            a = a_src.load([a_row, k0])
-            b = b_src.load([b_row, k0])
-        else:
-            a = tl.load(a_ptrs + k0)
-            b = tl.load(b_ptrs + k0)
-        sa = tl.load(as_ptr + rows_in * stride_asm + kt * stride_ask)
-        sb = tl.load(sb_ptrs + kt * stride_bsk)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if BN <= 128:
-            acc += tl.dot(a, tl.trans(b)) * (sa * sb)[:, None]
-        else:
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    if ACC_IN:
+        # the epilogue alone, on the accumulator another kernel wrote (FP32 [T, B's rows] in c)
+        acc_ptrs = row_block(c_ptr, a_row.to(tl.int64), stride_cm, pid_n * BN, BM) + tl.arange(0, BN)[None, :]
+        acc = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0)
         if GATED and MODE == 1:
+            acc_up = tl.load(acc_ptrs + b_up_rows, mask=row_ok[:, None], other=0.0)
+    else:
+        k_tiles = tl.where(is_padding, 0, K // BK)
+        for kt in range(0, k_tiles):
+            k0 = kt * BK
             if USE_TMA:
-                b_up = b_src.load([b_row + b_up_rows, k0])
+                a = a_src.load([a_row, k0])
+                b = b_src.load([b_row, k0])
             else:
-                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
-            sb_up = tl.load(sb_up_ptrs + kt * stride_bsk)
+                a = tl.load(a_ptrs + k0)
+                b = tl.load(b_ptrs + k0)
+            sa = tl.load(as_ptr + rows_in * stride_asm + kt * stride_ask)
+            sb = tl.load(sb_ptrs + kt * stride_bsk)
             if UPCAST:
-                b_up = b_up.to(tl.float32)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
             if BN <= 128:
-                acc_up += tl.dot(a, tl.trans(b_up)) * (sa * sb_up)[:, None]
+                acc += tl.dot(a, tl.trans(b)) * (sa * sb)[:, None]
             else:
-                acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+            if GATED and MODE == 1:
+                if USE_TMA:
+                    b_up = b_src.load([b_row + b_up_rows, k0])
+                else:
+                    b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+                sb_up = tl.load(sb_up_ptrs + kt * stride_bsk)
+                if UPCAST:
+                    b_up = b_up.to(tl.float32)
+                if BN <= 128:
+                    acc_up += tl.dot(a, tl.trans(b_up)) * (sa * sb_up)[:, None]
+                else:
+                    acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
 
     # --- epilogue, FP32 (column indices are made here: the K loop needs none)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -369,10 +389,16 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
 
         return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
                             num_stages=cfg.num_stages)
+    acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
+    if acc_in:
+        # the GEMM alone (all of B's rows: FC1's gate and up halves) into FP32 with the fastest plain
+        # kernel, then this kernel's epilogue on it
+        c = torch.empty((num_rows, b.shape[1]), device=a.device, dtype=torch.float32)
+        launch("fc2", a, a_scale, b, b_scale, b.shape[1], schedule, num_experts, spec, c=c)
     m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     rowwise, colwise = quantized_copies(q)
-    use_tma = cfg.use_tma and USE_TMA_DEFAULT and tma_allowed(a, b)
+    use_tma = cfg.use_tma and USE_TMA_DEFAULT and tma_allowed(a, b) and not acc_in
     a_src, b_src = operand_sources(a, b, BLOCK, cfg.block_n, BLOCK, use_tma)
     return fp8_grouped_gemm_kernel[grid](
         *kernel_operands(a_src, a, a_scale, b_src, b, b_scale, b_up_rows, c, q, q_up_offset, h, h_up_offset, bias,
@@ -382,9 +408,9 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue,
+        ACC_IN=acc_in, SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue,
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=EPILOGUE_ALONE_WARPS if acc_in else cfg.num_warps, num_stages=1 if acc_in else cfg.num_stages,
     )
 
 
@@ -403,3 +429,13 @@ def _plain_on_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> boo
         raise ValueError("plain_engine='gluon': the Gluon FP8 block GEMM needs an sm_90 GPU and FP8 operands with "
                          f"TMA-legal layouts (got {a.dtype} on {a.device}, b {b.dtype}, contiguous={b.is_contiguous()})")
     return False
+
+
+def _separate_epilogue(kind: str, cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether FC1 / the dGLU run as the plain GEMM + the epilogue alone (see ``FC1_EPILOGUE``)."""
+    how = cfg.epilogue or (FC1_EPILOGUE if kind == "fc1" else DACT_EPILOGUE)
+    if how not in ("auto", "separate", "fused"):
+        raise ValueError(f"epilogue: expected 'auto', 'separate' or 'fused', got {how!r}")
+    if how == "auto":
+        return _plain_on_gluon(default_config("fc2"), a, b)
+    return how == "separate"
