@@ -2,7 +2,7 @@
 so CI builds it for sm_90a offline and checks the property it exists for, and the engine choice.
 Its numerics run on the H200: tests/gpu/test_fp8_block_wgmma_gpu.py.
 
-Build checks (ptxas from the Triton wheel): no spills; 4 FP8 wgmmas per 128-wide K block at each of
+Build checks (ptxas from the Triton wheel), for the plain GEMM and the wgrad: no spills; 4 FP8 wgmmas per 128-wide K block at each of
 the four issue sites (first block, the loop's two, the odd tail); the wgmmas of a block share one
 commit group (when a non-wgmma instruction touches an in-flight accumulator, ptxas serialises every
 wgmma and gives each its own group: C7514); waits that leave one group in flight (the promotion
@@ -34,6 +34,16 @@ def sm90_build_report() -> dict:
                      c_ptr="*bf16", bias_ptr="*bf16", sched_ptr="*i32")
         consts = dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES)
         report[name] = build_gluon_sm90(W.fp8_block_gemm_wgmma_kernel, types, consts, num_warps=W.NUM_WARPS)
+    # the wgrad as launched by default (E5M2 gradient, E4M3 input) and at 64x64 on one warpgroup
+    from te_fused_moe.backends.triton.fp8_block.wgrad import default_config
+
+    cfg = default_config(gluon=True)
+    for name, block_n, block_k, warps in (("wgrad", cfg.block_n, cfg.block_k, cfg.num_warps), ("wgrad_64x64", 64, 64, 4)):
+        g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
+        types = dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
+                     gs_ptr="*fp32", xs_ptr="*fp32", dw_ptr="*bf16", sched_ptr="*i32")
+        report[name] = build_gluon_sm90(W.fp8_block_wgrad_wgmma_kernel, types,
+                                        dict(GROUP_N=8, NUM_STAGES=cfg.num_stages), num_warps=warps)
     return report
 
 
@@ -43,7 +53,7 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
-    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2"}
+    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64"}
     for name, r in report.items():
         assert r["stack"] == 0, (name, r)
         assert r["qgmma"] == 16, (name, r)  # 4 per block x 4 issue sites
@@ -81,3 +91,20 @@ def test_usable_needs_fp8_tma_layouts():
     a, b = _operands()
     assert not usable(a, b)  # CPU tensors
     assert not usable(a.float(), b)
+
+
+def test_wgrad_engine_choice_and_errors():
+    import dataclasses
+
+    from te_fused_moe.backends.triton.fp8_block import wgrad as W
+    from te_fused_moe.backends.triton.fp8_block.quantize import QuantizedRows
+
+    a, _ = _operands()
+    g = x = QuantizedRows(data_t=a, scale_t=torch.ones(2, 256))
+    cfg = W.default_config()
+    assert W.WGRAD_ENGINE == "triton" and not W._on_gluon(None, g, x) and not W._on_gluon(cfg, g, x)
+    assert not W._on_gluon(dataclasses.replace(cfg, engine="auto"), g, x)  # no GPU here
+    with pytest.raises(ValueError, match=r"engine='gluon': the Gluon FP8 block wgrad needs an sm_90 GPU"):
+        W._on_gluon(dataclasses.replace(cfg, engine="gluon"), g, x)
+    with pytest.raises(ValueError, match=r"engine: expected 'auto', 'gluon' or 'triton', got 'cublas'"):
+        W._on_gluon(dataclasses.replace(cfg, engine="cublas"), g, x)

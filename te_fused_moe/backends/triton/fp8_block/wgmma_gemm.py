@@ -34,15 +34,20 @@ NUM_WARPS = 8         # two warpgroups, 64 rows each
 
 
 @gluon.jit
+def _swizzle(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """Tile id -> (M tile, N tile) in bands of GROUP_M M tiles walked column by column (L2 reuse of
+    B), as :func:`..schedule.swizzle` does for the Triton kernels."""
+    pids_per_band = GROUP_M * num_pid_n
+    first_m = (tile_id // pids_per_band) * GROUP_M
+    band_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile_id % pids_per_band) % band_m, (tile_id % pids_per_band) // band_m
+
+
+@gluon.jit
 def _tile_of(sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
     """This program's (M tile, N tile, group, first row, group end row, tile count): the same GROUP_M
     swizzle and schedule reads as :mod:`..schedule` (whose helpers are Triton, not Gluon)."""
-    tile_id = gl.program_id(0)
-    pids_per_band = GROUP_M * num_pid_n
-    first_m = (tile_id // pids_per_band) * GROUP_M
-    band_m = gl.minimum(MAX_M_TILES - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % pids_per_band) % band_m
-    pid_n = (tile_id % pids_per_band) // band_m
+    pid_m, pid_n = _swizzle(gl.program_id(0), MAX_M_TILES, num_pid_n, GROUP_M)
     num_tiles = gl.load(sched_ptr + 2 * NUM_GROUPS - 1)  # tile_end of the padding group
     group = gl.load(sched_ptr + 4 * NUM_GROUPS + gl.minimum(pid_m, MAX_M_TILES - 1))
     tile_start = gl.load(sched_ptr + group)
@@ -73,6 +78,7 @@ def fp8_block_gemm_wgmma_kernel(
     HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
@@ -84,9 +90,12 @@ def fp8_block_gemm_wgmma_kernel(
             _store_rows(c_ptr, stride_cm, row0, row_end, pid_n * BLOCK_N,
                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), BLOCK_M, BLOCK_N, num_warps)
         else:
-            acc = _promoted_mainloop(a_desc, as_ptr, stride_asm, stride_ask, b_desc, bs_ptr, stride_bse, stride_bsn,
-                                     stride_bsk, group * B_ROWS + pid_n * BLOCK_N, group, pid_n, row0, T, K,
-                                     mma, NUM_STAGES)
+            # scales: one per row of A (each thread holds its rows'), one scalar of B per K block
+            rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), T - 1)
+            sb_ptr = bs_ptr + group.to(gl.int64) * stride_bse + ((pid_n * BLOCK_N) // 128) * stride_bsn
+            acc = _promoted_mainloop(a_desc, b_desc, row0, group * B_ROWS + pid_n * BLOCK_N, 0, K // BLOCK_K,
+                                     as_ptr + rows.to(gl.int64) * stride_asm, stride_ask, sb_ptr, stride_bsk,
+                                     mma, NUM_STAGES, False)
             if HAS_BIAS:
                 cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
                 acc = acc + gl.load(bias_ptr + group * stride_bias_e + cols).to(gl.float32)[None, :]
@@ -94,10 +103,41 @@ def fp8_block_gemm_wgmma_kernel(
 
 
 @gluon.jit
-def _promoted_mainloop(a_desc, as_ptr, stride_asm, stride_ask, b_desc, bs_ptr, stride_bse, stride_bsn, stride_bsk,
-                       b_row, expert, pid_n, row0, T, K, mma: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """sum over K blocks of ``dot(A block, B block^T) * sa[row] * sb`` in FP32, with block ``k``'s wgmma
-    running while block ``k-1`` is promoted. TMA loads run ``NUM_STAGES`` blocks ahead."""
+def fp8_block_wgrad_wgmma_kernel(
+    g_desc, gs_ptr, stride_gst, x_desc, xs_ptr, stride_xst, dw_ptr, stride_dw_e, stride_dw_n,
+    sched_ptr, N, K, NUM_GROUPS,
+    GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``dw[e][n tile, k tile] = sum over expert e's token blocks t of G_t^T X_t * gs[t, n] * xs[t, k]``
+    from the columnwise copies (``data_t`` [N or K, 128 * tiles], one 128-token block per M tile of
+    the schedule, scales ``scale_t`` [tiles, N or K]); zeros for experts without tokens."""
+    BLOCK_N: gl.constexpr = g_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_K, 32])
+    expert = gl.program_id(1)
+    pid_n, pid_k = _swizzle(gl.program_id(0), N // BLOCK_N, K // BLOCK_K, GROUP_N)
+    tile_start = gl.load(sched_ptr + expert)
+    tile_end = gl.load(sched_ptr + NUM_GROUPS + expert)
+    dw_tile = dw_ptr + expert.to(gl.int64) * stride_dw_e
+    if tile_end > tile_start:
+        rows_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        cols_k = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, mma))
+        acc = _promoted_mainloop(g_desc, x_desc, pid_n * BLOCK_N, pid_k * BLOCK_K, tile_start, tile_end - tile_start,
+                                 gs_ptr + rows_n, stride_gst, xs_ptr + cols_k, stride_xst, mma, NUM_STAGES, True)
+        _store_rows(dw_tile, stride_dw_n, pid_n * BLOCK_N, N, pid_k * BLOCK_K, acc, BLOCK_N, BLOCK_K, num_warps)
+    else:
+        _store_rows(dw_tile, stride_dw_n, pid_n * BLOCK_N, N, pid_k * BLOCK_K,
+                    gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma), BLOCK_N, BLOCK_K, num_warps)
+
+
+@gluon.jit
+def _promoted_mainloop(a_desc, b_desc, a_row, b_row, k_first, k_tiles, row_scales, stride_row_scales, col_scales,
+                       stride_col_scales, mma: gl.constexpr, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr):
+    """sum over K blocks ``k_first .. k_first + k_tiles - 1`` (``k_tiles >= 1``) of ``dot(A block, B
+    block^T) * scale`` in FP32, with block ``k``'s wgmma running while block ``k-1`` is promoted. TMA
+    loads run ``NUM_STAGES`` blocks ahead. Scales (see :func:`_block_scale`): per row of A times one
+    scalar per block, or (``OUTER``) per row of A times per row of B."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -106,51 +146,72 @@ def _promoted_mainloop(a_desc, as_ptr, stride_asm, stride_ask, b_desc, bs_ptr, s
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-    k_tiles = K // BLOCK_K
     for i in gl.static_range(NUM_STAGES):
-        _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, i, i, row0, b_row, i < k_tiles)
-
-    # scales: one per row of A (each thread holds its rows'), one scalar of B per K block
-    rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), T - 1)
-    sa_ptrs = as_ptr + rows.to(gl.int64) * stride_asm
-    sb_ptrs = bs_ptr + expert.to(gl.int64) * stride_bse + ((pid_n * BLOCK_N) // 128) * stride_bsn
+        _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, i, k_first + i, a_row, b_row, i < k_tiles)
 
     # Two register tiles take turns (X, Y): the loop runs two K blocks per trip so that neither is ever
-    # copied; a copy of a tile whose wgmma is in flight makes ptxas serialise every wgmma (C7514).
+    # copied; a copy of a tile whose wgmma is in flight makes ptxas serialise every wgmma (C7514). So
+    # does a phi of an in-flight tile that ptxas cannot coalesce, which small changes here provoke:
+    # tests/test_fp8_block_wgmma.py checks the build. Scales load one block ahead; the wgrad's come as
+    # two vectors (an outer-product [BM, BN] tile held across the loop spilled).
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     spare = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     mbarrier.wait(ready.index(0), 0)
     in_flight = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), spare, use_acc=False, is_async=True)
-    scale = _block_scale(sa_ptrs, stride_ask, sb_ptrs, stride_bsk, 0)
+    rs, cs = _block_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first, OUTER)
     for k in range(1, k_tiles - 1, 2):
-        scale_k = _block_scale(sa_ptrs, stride_ask, sb_ptrs, stride_bsk, k)
+        rs_k, cs_k = _block_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k, OUTER)
         issued = _issue(a_bufs, b_bufs, ready, k, spare, NUM_STAGES)
-        done = _retire(a_desc, b_desc, a_bufs, b_bufs, ready, in_flight, 1, k - 1, row0, b_row, k_tiles, NUM_STAGES)
-        acc = gl.fma(done, scale[:, None], acc)
-        scale = _block_scale(sa_ptrs, stride_ask, sb_ptrs, stride_bsk, k + 1)
+        done = _retire(a_desc, b_desc, a_bufs, b_bufs, ready, in_flight, 1, k - 1, k_first, a_row, b_row, k_tiles,
+                       NUM_STAGES)
+        acc = _promote(acc, done, rs, cs, OUTER)
+        rs, cs = _block_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k + 1, OUTER)
         in_flight = _issue(a_bufs, b_bufs, ready, k + 1, done, NUM_STAGES)
-        spare = _retire(a_desc, b_desc, a_bufs, b_bufs, ready, issued, 1, k, row0, b_row, k_tiles, NUM_STAGES)
-        acc = gl.fma(spare, scale_k[:, None], acc)
+        spare = _retire(a_desc, b_desc, a_bufs, b_bufs, ready, issued, 1, k, k_first, a_row, b_row, k_tiles,
+                        NUM_STAGES)
+        acc = _promote(acc, spare, rs_k, cs_k, OUTER)
+    # both branches end with every wgmma waited for: a token leaving an if would merge X and Y (a copy)
     if k_tiles % 2 == 0:
         # one K block left after the pairs
         last = k_tiles - 1
         issued = _issue(a_bufs, b_bufs, ready, last, spare, NUM_STAGES)
         done = warpgroup_mma_wait(num_outstanding=1, deps=(in_flight,))
-        acc = gl.fma(done, scale[:, None], acc)
+        acc = _promote(acc, done, rs, cs, OUTER)
+        rs, cs = _block_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + last, OUTER)
         done = warpgroup_mma_wait(num_outstanding=0, deps=(issued,))
-        acc = gl.fma(done, _block_scale(sa_ptrs, stride_ask, sb_ptrs, stride_bsk, last)[:, None], acc)
+        acc = _promote(acc, done, rs, cs, OUTER)
     else:
         done = warpgroup_mma_wait(num_outstanding=0, deps=(in_flight,))
-        acc = gl.fma(done, scale[:, None], acc)
+        acc = _promote(acc, done, rs, cs, OUTER)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
     return acc
 
 
 @gluon.jit
-def _block_scale(sa_ptrs, stride_ask, sb_ptrs, stride_bsk, k):
-    """K block ``k``'s promotion factor per row: sa[row, k] * sb[k]."""
-    return gl.load(sa_ptrs + k * stride_ask) * gl.load(sb_ptrs + k * stride_bsk)
+def _block_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k, OUTER: gl.constexpr):
+    """Block ``k``'s scale factors: (per row of A times the 128x128 weight block's scalar, 1.0) or,
+    ``OUTER``, (per row of A, per row of B). The product is taken at load time where it is cheap: the
+    rows' vector stays 2 registers (and the FMA sequence what ptxas keeps asynchronous)."""
+    rows = gl.load(row_scales + k * stride_row_scales)
+    if OUTER:
+        return rows, gl.load(col_scales + k * stride_col_scales)
+    else:
+        return rows * gl.load(col_scales + k * stride_col_scales), 1.0
+
+
+@gluon.jit
+def _promote(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
+    """``acc + part * row_scale[:, None] (* col_scale[None, :] if OUTER)`` in FP32. The FMA is inline PTX
+    marked impure so that LLVM keeps it before the next wgmma's issue (also inline asm): sunk past
+    it, ``part`` would be live across the wgmma that overwrites its registers, the copy that follows
+    makes ptxas serialise every wgmma (C7515; seen with the wgrad's column scales)."""
+    if OUTER:
+        factor = row_scale[:, None] * col_scale[None, :]
+    else:
+        factor = gl.broadcast(row_scale[:, None], part)[0]
+    return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc], dtype=gl.float32,
+                                     is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -162,37 +223,38 @@ def _issue(a_bufs, b_bufs, ready, k, out, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _retire(a_desc, b_desc, a_bufs, b_bufs, ready, token, outstanding: gl.constexpr, k, row0, b_row, k_tiles,
-            NUM_STAGES: gl.constexpr):
-    """Waits for K block ``k``'s wgmma (``outstanding`` newer ones may still run), then refills its
-    stage with block ``k + NUM_STAGES``. Returns block ``k``'s partial product."""
+def _retire(a_desc, b_desc, a_bufs, b_bufs, ready, token, outstanding: gl.constexpr, k, k_first, a_row, b_row,
+            k_tiles, NUM_STAGES: gl.constexpr):
+    """Waits for the wgmma of the loop's block ``k`` (``outstanding`` newer ones may still run), then
+    refills its stage with block ``k + NUM_STAGES``. Returns block ``k``'s partial product."""
     done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(token,))
     gl.thread_barrier()  # both warpgroups are past their wgmma on this stage before TMA overwrites it
-    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, k % NUM_STAGES, k + NUM_STAGES, row0, b_row,
+    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, k % NUM_STAGES, k_first + k + NUM_STAGES, a_row, b_row,
                 k + NUM_STAGES < k_tiles)
     return done
 
 
 @gluon.jit
-def _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, stage, k_block, row0, b_row, pred):
-    """TMA loads of K block ``k_block`` of A's tile rows and B's tile columns into ``stage``."""
+def _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, stage, k_block, a_row, b_row, pred):
+    """TMA loads of K block ``k_block`` (absolute) of A's tile rows and B's tile rows into ``stage``."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     bar = ready.index(stage)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [row0, k_block * BLOCK_K], bar, a_bufs.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [a_row, k_block * BLOCK_K], bar, a_bufs.index(stage), pred=pred)
     tma.async_copy_global_to_shared(b_desc, [b_row, k_block * BLOCK_K], bar, b_bufs.index(stage), pred=pred)
 
 
-def descriptors(a: torch.Tensor, b: torch.Tensor):
-    """Gluon TMA descriptors of ``a`` [T, K] and of ``b`` [E, rows, K] seen as [E * rows, K]."""
+def descriptor(t: torch.Tensor, block_rows: int):
+    """Gluon TMA descriptor of a 2-D FP8 ``t`` (unit inner stride) in [block_rows, 128] boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    def layout(t):
-        return gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], _GL_DTYPES[t.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, BLOCK], _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, BLOCK], layout)
 
-    b_rows = b.shape[0] * b.shape[1]
-    return (TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [BM, BK], layout(a)),
-            TensorDescriptor(b, [b_rows, b.shape[2]], [b.shape[2], 1], [BN, BK], layout(b)))
+
+def descriptors(a: torch.Tensor, b: torch.Tensor):
+    """Descriptors of ``a`` [T, K] and of ``b`` [E, rows, K] seen as [E * rows, K]."""
+    return descriptor(a, BM), descriptor(b.view(b.shape[0] * b.shape[1], b.shape[2]), BN)
 
 
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
@@ -227,3 +289,22 @@ def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         HAS_BIAS=bias is not None, GROUP_M=group_m, NUM_STAGES=num_stages, num_warps=NUM_WARPS,
     )
     return c
+
+
+def wgrad_usable(g_t: torch.Tensor, x_t: torch.Tensor) -> bool:
+    """:func:`usable` for the wgrad's columnwise copies (``data_t``)."""
+    return usable(g_t, x_t.unsqueeze(0)) and g_t.is_contiguous() and g_t.shape[1] > 0
+
+
+def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, block_n: int = 128, block_k: int = 64,
+                 group_n: int = 8, num_stages: int = STAGES, num_warps: int = NUM_WARPS):
+    """``dw[e] = G_e^T @ X_e`` ([E, N, K], 128-multiples) from the columnwise copies of ``g`` and ``x``
+    (:class:`~.quantize.QuantizedRows`) in ``block_n`` x ``block_k`` tiles of ``dw`` (rows: 64 per
+    warpgroup). The caller checked the shapes."""
+    num_experts, n, k = dw.shape
+    fp8_block_wgrad_wgmma_kernel[((n // block_n) * (k // block_k), num_experts)](
+        descriptor(g.data_t, block_n), g.scale_t, g.scale_t.stride(0),
+        descriptor(x.data_t, block_k), x.scale_t, x.scale_t.stride(0),
+        dw, dw.stride(0), dw.stride(1), schedule, n, k, num_experts + 1,
+        GROUP_N=group_n, NUM_STAGES=num_stages, num_warps=num_warps,
+    )

@@ -27,6 +27,15 @@ from . import gemm as fp8_gemm
 from .quantize import BLOCK, QuantizedRows
 
 
+# Which kernel runs the wgrads: "triton" (this module's, the default) or "gluon" (the kernel of
+# :mod:`.wgmma_gemm`: each token block's promotion under the next block's wgmma); "auto" = Gluon where
+# it can run. The Gluon wgrad is correct (bitwise equal to this one on the H200) but slower: at DSv3,
+# 411-429 TFLOP/s at 128x64 / 8 warps and 537 at 64x64 / 4 warps vs 668-680 here (run 16c). An expert
+# has ~8 token blocks, so one CTA per SM spends much of its time filling its pipeline and storing dw,
+# which this kernel's three CTAs per SM overlap. A persistent Gluon wgrad would be the next step.
+WGRAD_ENGINE = "triton"
+
+
 @dataclass(frozen=True)
 class FP8WgradConfig:
     block_n: int = 128
@@ -35,15 +44,37 @@ class FP8WgradConfig:
     num_warps: int = 8
     num_stages: int = 4
     use_tma: bool = True
+    engine: Optional[str] = None  # "auto", "gluon" or "triton"; None = WGRAD_ENGINE
 
 
-def default_config() -> FP8WgradConfig:
-    """128x64 tiles at 4 warps (~165 registers, 72 KB of shared memory): three CTAs share an SM, so
-    one CTA's FP32 promotion (an outer product of scales per token block) runs under another's
-    wgmma. On the H200 at DSv3 shapes: 670-690 TFLOP/s vs ~500 with 128x128 tiles at 8 warps."""
+def default_config(gluon: bool = False) -> FP8WgradConfig:
+    """Triton: 128x64 tiles at 4 warps (~165 registers, 72 KB of shared memory): three CTAs share an SM,
+    so one CTA's FP32 promotion (an outer product of scales per token block) runs under another's
+    wgmma. On the H200 at DSv3 shapes: 670-690 TFLOP/s vs ~500 with 128x128 tiles at 8 warps.
+    Gluon: 128 rows of dw x 64 columns at 8 warps: three 32-register tiles per thread and the
+    column scales fit without spills (128x128, or 64x128 at 4 warps, spill ~230 bytes in the loop)."""
     if interpreting():
         return FP8WgradConfig(group_n=2, num_warps=4, num_stages=1)
+    if gluon:
+        return FP8WgradConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)
     return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+
+
+def _on_gluon(cfg: Optional[FP8WgradConfig], g: QuantizedRows, x: QuantizedRows) -> bool:
+    """Whether the wgrad runs the Gluon kernel: "auto" where it can, "gluon" or an error."""
+    engine = (cfg.engine if cfg is not None else None) or WGRAD_ENGINE
+    if engine == "triton" or (engine == "auto" and interpreting()):
+        return False
+    if engine not in ("auto", "gluon"):
+        raise ValueError(f"engine: expected 'auto', 'gluon' or 'triton', got {engine!r}")
+    from .wgmma_gemm import wgrad_usable
+
+    if g.data_t is not None and x.data_t is not None and wgrad_usable(g.data_t, x.data_t):
+        return True
+    if engine == "gluon":
+        raise ValueError("engine='gluon': the Gluon FP8 block wgrad needs an sm_90 GPU and the FP8 columnwise copies "
+                         "(data_t) contiguous and 16-byte aligned")
+    return False
 
 
 @triton.jit
@@ -94,6 +125,13 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
                       config: Optional[FP8WgradConfig] = None) -> None:
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
+    if _on_gluon(config, g, x):
+        from .wgmma_gemm import launch_wgrad
+
+        cfg = config or default_config(gluon=True)
+        wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK, False)  # the shape checks
+        return launch_wgrad(g, x, schedule, dw, block_n=cfg.block_n, block_k=cfg.block_k, group_n=cfg.group_n,
+                            num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     cfg = config or default_config()
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK,
