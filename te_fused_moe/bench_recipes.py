@@ -240,18 +240,29 @@ def _fused_with(recipe: str, **flags):
     return run
 
 
-def _fused_under(recipe: str, module: str, **flags):
-    """The fused path with module flags of ``backends.triton.<recipe>.<module>`` set while it is timed,
-    forward and backward (``bench_impl`` enters ``run.context``)."""
+def _fused_under(recipe: str, **module_flags: Dict):
+    """The fused path with flags of modules ``backends.triton.<recipe>.<module>`` (``module=dict(...)``)
+    set while it is timed, forward and backward (``bench_impl`` enters ``run.context``)."""
     run = _fused(recipe)
-    run.context = lambda: _module_flags(f".backends.triton.{recipe}.{module}", flags)
+
+    @contextlib.contextmanager
+    def context():
+        with contextlib.ExitStack() as stack:
+            for module, flags in module_flags.items():
+                stack.enter_context(_module_flags(f".backends.triton.{recipe}.{module}", flags))
+            yield
+
+    run.context = context
     return run
 
 
 # Variants: the expanding recipes' GEMMs expanding quantized operands in their K loops (no transient
 # BF16 values; the default before run 15), NVFP4's weight cache holding BF16 values, and the FP8 block
-# plain GEMMs (FC2, FC1 dgrad) on the Triton kernel instead of the Gluon one (the default on sm_90)
-VARIANTS = {"fp8_block": {"fp8_block_fused_triton_plain": _fused_under("fp8_block", "gemm", PLAIN_ENGINE="triton")},
+# recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
+# as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16)
+VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
+                          "fp8_block_fused_one_kernel_epilogues": _fused_under(
+                              "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused"))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_with("mxfp8", EXPAND_BEFORE_GEMM=False)},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_with("nvfp4", EXPAND_BEFORE_GEMM=False),
                       "nvfp4_fused_bf16_weights": _fused_with("nvfp4", BF16_WEIGHT_VALUES=True)}}
@@ -392,8 +403,9 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
     return bench.time_kernels(kernels, fp8_peak)
 
 
-def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
-    """The kernels of ``recipe`` under a few block configs (to choose the defaults on the device)."""
+def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]] = None) -> Dict[str, Dict]:
+    """The kernels of ``recipe`` under a few block configs (to choose the defaults on the device);
+    ``only``: these configs (and ``default``)."""
     if recipe == "fp8_block":
         from .backends.triton.fp8_block.gemm import FP8GemmConfig as G
         from .backends.triton.fp8_block.wgrad import FP8WgradConfig as W
@@ -406,6 +418,14 @@ def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
             "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
+            # the wgrads on the Gluon kernel (opt-in: slower, run 16c) at its default tiles and others
+            "wgrad_gluon": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=4, engine="gluon")),
+            "wgrad_gluon_64x64_w4": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
+                                                        engine="gluon")),
+            "wgrad_gluon_s3": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=3, engine="gluon")),
+            # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
+            # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
+            "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),
             # quantize: register caps that let two CTAs share an SM (one's loads under the other's math)
             "quantize_w16_r255": dict(quantize_warps=16, quantize_maxnreg=255),  # the default before run 16
             "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),
@@ -437,6 +457,11 @@ def variants(recipe: str, shape_name: str = "dsv3-e32") -> Dict[str, Dict]:
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)
     fp8_peak = fp8_ceiling_tflops()
+    if only:
+        unknown = set(only) - set(configs)
+        if unknown:
+            raise ValueError(f"only: unknown variants {sorted(unknown)}; expected names from {sorted(configs)}")
+        configs = {name: kw for name, kw in configs.items() if name == "default" or name in only}
     return {name: bench_kernels(recipe, shape, inputs, fp8_peak, **kw) for name, kw in configs.items()}
 
 
@@ -605,6 +630,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"comma-separated from {sorted(bench.SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the text table")
     parser.add_argument("--no-kernels", action="store_true", help="skip the per-kernel timings")
+    parser.add_argument("--only", default="", help="with --variants: comma-separated config names to time")
     parser.add_argument("--variants", choices=sorted(FP8_RECIPES),
                         help="instead: time that recipe's kernels under a few block configs (first shape only)")
     parser.add_argument("--recipes", default=",".join(RECIPES),
@@ -621,7 +647,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the benchmark times FP8 kernels on a CUDA GPU (Hopper)")
     if args.variants:
-        result = variants(args.variants, names[0])
+        result = variants(args.variants, names[0], [n for n in args.only.split(",") if n])
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{args.variants}_variants_{names[0]}.json"), "w") as f:
             json.dump(result, f, indent=1)
