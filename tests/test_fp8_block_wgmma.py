@@ -108,3 +108,20 @@ def test_wgrad_engine_choice_and_errors():
         W._on_gluon(dataclasses.replace(cfg, engine="gluon"), g, x)
     with pytest.raises(ValueError, match=r"engine: expected 'auto', 'gluon' or 'triton', got 'cublas'"):
         W._on_gluon(dataclasses.replace(cfg, engine="cublas"), g, x)
+
+
+def test_gluon_needs_triton_3_6(monkeypatch):
+    import dataclasses
+
+    import triton
+
+    from te_fused_moe.backends.triton.fp8_block import gemm
+
+    assert gemm.gluon_kernels_available() is None  # the Triton this suite runs with
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    assert gemm.gluon_kernels_available() == ("the Gluon kernels need triton>=3.6 (Gluon's Hopper API), "
+                                              "found 3.5.1")
+    a, b = _operands()
+    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine="gluon")
+    with pytest.raises(ValueError, match=r"plain_engine='gluon': the Gluon kernels need triton>=3.6"):
+        gemm._plain_on_gluon(cfg, a, b)

@@ -31,6 +31,8 @@ products of FP8 values are exact in FP32, so this changes nothing but the summat
 
 from __future__ import annotations
 
+import importlib
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -414,6 +416,19 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     )
 
 
+def gluon_kernels_available() -> Optional[str]:
+    """None if this Triton has the Gluon API the kernels of :mod:`.wgmma_gemm` are written against
+    (Triton 3.6), else why not."""
+    major, minor = (int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
+    if (major, minor) < (3, 6):
+        return f"the Gluon kernels need triton>=3.6 (Gluon's Hopper API), found {triton.__version__}"
+    try:
+        importlib.import_module(".wgmma_gemm", __package__)
+    except ImportError as exc:
+        return f"triton.experimental.gluon did not import: {exc}"
+    return None
+
+
 def _plain_on_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a plain GEMM runs the Gluon kernel: "auto" where it can, "gluon" or an error."""
     engine = cfg.plain_engine or PLAIN_ENGINE
@@ -421,13 +436,16 @@ def _plain_on_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> boo
         return False
     if engine not in ("auto", "gluon"):
         raise ValueError(f"plain_engine: expected 'auto', 'gluon' or 'triton', got {engine!r}")
-    from .wgmma_gemm import usable
+    missing = gluon_kernels_available()
+    if missing is None:
+        from .wgmma_gemm import usable
 
-    if usable(a, b):
-        return True
+        if usable(a, b):
+            return True
+        missing = ("the Gluon FP8 block GEMM needs an sm_90 GPU and FP8 operands with TMA-legal layouts (got "
+                   f"{a.dtype} on {a.device}, b {b.dtype}, contiguous={b.is_contiguous()})")
     if engine == "gluon":
-        raise ValueError("plain_engine='gluon': the Gluon FP8 block GEMM needs an sm_90 GPU and FP8 operands with "
-                         f"TMA-legal layouts (got {a.dtype} on {a.device}, b {b.dtype}, contiguous={b.is_contiguous()})")
+        raise ValueError(f"plain_engine='gluon': {missing}")
     return False
 
 

@@ -1,21 +1,25 @@
-"""The plain FP8 block GEMM (FC2 forward, FC1 dgrad) written in Gluon, with the scale promotion
-overlapped with the tensor cores.
+"""FP8 block GEMMs written in Gluon (Triton 3.6), with the scale promotion overlapped with the
+tensor cores: the plain grouped GEMM (FC2 forward, FC1 dgrad, and the GEMMs of FC1 / the dGLU when
+their epilogues run alone, see ``gemm.FC1_EPILOGUE``) and, opt-in, the wgrad.
 
-Why a second kernel: :mod:`.gemm` (Triton) promotes every 128-wide K block with
-``acc += dot(a, b^T) * scale``. Triton makes a wgmma asynchronous only when nothing but the next
-wgmma reads its result, so there every K step waits for its wgmma to drain before the FMAs, and the
-tensor cores idle while they run (the GEMMs sat at 600-850 TFLOP/s of a ~1290 peak, runs 9-11).
-Here (as DeepGEMM does on Hopper) step ``k``'s wgmma is issued into a fresh register tile *before*
-step ``k-1``'s result is waited for and promoted, so the promotion FMAs run under the next wgmma.
-Three register tiles per thread stay live (promoted accumulator, the tile being promoted, the tile in
-flight): 3 x 64 FP32 at 128x128 over two warpgroups.
+Why: :mod:`.gemm` (Triton) promotes every 128-wide K block with ``acc += dot(a, b^T) * scale``.
+Triton makes a wgmma asynchronous only when nothing but the next wgmma reads its result, so there
+every K step waits for its wgmma to drain before the FMAs, and the tensor cores idle while they run
+(600-850 TFLOP/s of a ~1290 peak, runs 9-11). Here (as DeepGEMM does on Hopper) block ``k``'s wgmma
+is issued into a fresh register tile *before* block ``k-1``'s result is waited for and promoted, so
+the promotion FMAs run under the next wgmma: 920-990 TFLOP/s at DSv3 (run 16). Three register tiles
+per thread stay live (promoted accumulator, the tile being promoted, the tile in flight): 3 x 64
+FP32 at 128x128 over two warpgroups. ptxas serialises every wgmma if a non-wgmma instruction touches
+an in-flight tile (C7514/C7515), which small changes provoke; tests/test_fp8_block_wgmma.py checks
+the sm_90a build for it in CI.
 
-Same contract as ``gemm.launch("fc2" | "dgrad")``: ``A`` [T, K] FP8 rowwise (1x128 scales ``sa``),
-``B`` [E, rows, K] FP8 K-major in 128x128 blocks (``sb``), the sync-free device schedule (tiles start
-at each expert's first row; the padding group's rows get zeros), optional bias. Same numerics: each
-128-block partial sum comes from one FP8 wgmma chain and is promoted in FP32 in K order, so results
-equal the Triton kernel's up to the wgmma's internal order (tests compare both with an FP64
-reference). Gluon has no interpreter: this runs on sm_90 GPUs only; CI builds it for sm_90a offline.
+Plain GEMM, same contract as ``gemm.launch("fc2" | "dgrad")``: ``A`` [T, K] FP8 rowwise (1x128
+scales ``sa``), ``B`` [E, rows, K] FP8 K-major in 128x128 blocks (``sb``), the sync-free device
+schedule (tiles start at each expert's first row; the padding group's rows get zeros), optional
+bias. Wgrad, same contract as ``wgrad.fp8_grouped_wgrad``. Same numerics: each 128-block partial sum
+comes from one FP8 wgmma chain and is promoted in FP32 in K order, so results equal the Triton
+kernels' (bitwise on the H200, tests/gpu/test_fp8_block_wgmma_gpu.py). Gluon has no interpreter:
+these run on sm_90 GPUs only.
 """
 
 from __future__ import annotations

@@ -67,13 +67,16 @@ def _on_gluon(cfg: Optional[FP8WgradConfig], g: QuantizedRows, x: QuantizedRows)
         return False
     if engine not in ("auto", "gluon"):
         raise ValueError(f"engine: expected 'auto', 'gluon' or 'triton', got {engine!r}")
-    from .wgmma_gemm import wgrad_usable
+    missing = fp8_gemm.gluon_kernels_available()
+    if missing is None:
+        from .wgmma_gemm import wgrad_usable
 
-    if g.data_t is not None and x.data_t is not None and wgrad_usable(g.data_t, x.data_t):
-        return True
+        if g.data_t is not None and x.data_t is not None and wgrad_usable(g.data_t, x.data_t):
+            return True
+        missing = ("the Gluon FP8 block wgrad needs an sm_90 GPU and the FP8 columnwise copies (data_t) contiguous "
+                   "and 16-byte aligned")
     if engine == "gluon":
-        raise ValueError("engine='gluon': the Gluon FP8 block wgrad needs an sm_90 GPU and the FP8 columnwise copies "
-                         "(data_t) contiguous and 16-byte aligned")
+        raise ValueError(f"engine='gluon': {missing}")
     return False
 
 
