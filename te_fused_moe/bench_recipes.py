@@ -419,10 +419,12 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
             # the wgrads on the Gluon kernel (opt-in: slower, run 16c) at its default tiles and others
-            "wgrad_gluon": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=4, engine="gluon")),
+            "wgrad_gluon": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon")),
+            "wgrad_gluon_128x64_w8": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=4,
+                                                         engine="gluon")),
             "wgrad_gluon_64x64_w4": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
                                                         engine="gluon")),
-            "wgrad_gluon_s3": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=3, engine="gluon")),
+            "wgrad_gluon_s4": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4, engine="gluon")),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),

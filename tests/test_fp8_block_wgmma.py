@@ -2,7 +2,8 @@
 so CI builds it for sm_90a offline and checks the property it exists for, and the engine choice.
 Its numerics run on the H200: tests/gpu/test_fp8_block_wgmma_gpu.py.
 
-Build checks (ptxas from the Triton wheel), for the plain GEMM and the wgrad: no spills; 4 FP8 wgmmas per 128-wide K block at each of
+Build checks (ptxas from the Triton wheel), for the plain GEMM and the wgrad: no spills (the default
+wgrad tile: at most 64 bytes); 4 FP8 wgmmas per 128-wide K block at each of
 the four issue sites (first block, the loop's two, the odd tail); the wgmmas of a block share one
 commit group (when a non-wgmma instruction touches an in-flight accumulator, ptxas serialises every
 wgmma and gives each its own group: C7514); waits that leave one group in flight (the promotion
@@ -55,7 +56,9 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     report = report_in_subprocess("test_fp8_block_wgmma")
     assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64"}
     for name, r in report.items():
-        assert r["stack"] == 0, (name, r)
+        # the default wgrad tile (64x128, one warpgroup at 255 registers) spills 48 bytes (measured
+        # faster than the spill-free tiles on the H200, run 16e); everything else spills nothing
+        assert r["stack"] <= (64 if name == "wgrad" else 0), (name, r)
         assert r["qgmma"] == 16, (name, r)  # 4 per block x 4 issue sites
         assert r["qgmma_grouped"] == 12, (name, r)  # 3 of each block's 4 join the group the 4th commits
         assert r["wait_le1"] >= 3, (name, r)  # the loop's two waits and the tail's first

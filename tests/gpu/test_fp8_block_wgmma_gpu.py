@@ -177,7 +177,9 @@ def _run_wgrad(engine, gq, xq, sched, dw_shape, **tiles):
     return dw
 
 
-@pytest.mark.parametrize("tiles", [{}, dict(block_n=64, block_k=64, num_warps=4)], ids=["default", "64x64-w4"])
+@pytest.mark.parametrize("tiles", [{}, dict(block_n=64, block_k=64, num_warps=4),
+                                   dict(block_n=64, block_k=128, num_warps=4, num_stages=3)],
+                         ids=["default", "64x64-w4", "64x128-w4"])
 def test_wgrad_exact_on_integer_data(tiles):
     gq, xq, counts, sched = _wgrad_problem(900, 256, 384, 6, True, seed=1)
     ref, _ = _wgrad_reference(gq, xq, counts, sched, 256, 384)

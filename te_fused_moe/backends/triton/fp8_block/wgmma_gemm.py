@@ -195,11 +195,12 @@ def _promoted_mainloop(a_desc, b_desc, a_row, b_row, k_first, k_tiles, row_scale
 @gluon.jit
 def _block_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k, OUTER: gl.constexpr):
     """Block ``k``'s scale factors: (per row of A times the 128x128 weight block's scalar, 1.0) or,
-    ``OUTER``, (per row of A, per row of B). The product is taken at load time where it is cheap: the
-    rows' vector stays 2 registers (and the FMA sequence what ptxas keeps asynchronous)."""
+    ``OUTER``, (per row of A, the pointers of B's per-row scales, loaded at the promotion: a
+    column vector is 32 registers per thread at 128 columns, two of them held across the loop spilled).
+    The plain product is taken at load time: the rows' vector stays 2 registers."""
     rows = gl.load(row_scales + k * stride_row_scales)
     if OUTER:
-        return rows, gl.load(col_scales + k * stride_col_scales)
+        return rows, col_scales + k * stride_col_scales
     else:
         return rows * gl.load(col_scales + k * stride_col_scales), 1.0
 
@@ -211,7 +212,7 @@ def _promote(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
     it, ``part`` would be live across the wgmma that overwrites its registers, the copy that follows
     makes ptxas serialise every wgmma (C7515; seen with the wgrad's column scales)."""
     if OUTER:
-        factor = row_scale[:, None] * col_scale[None, :]
+        factor = row_scale[:, None] * gl.load(col_scale)[None, :]
     else:
         factor = gl.broadcast(row_scale[:, None], part)[0]
     return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc], dtype=gl.float32,

@@ -30,9 +30,10 @@ from .quantize import BLOCK, QuantizedRows
 # Which kernel runs the wgrads: "triton" (this module's, the default) or "gluon" (the kernel of
 # :mod:`.wgmma_gemm`: each token block's promotion under the next block's wgmma); "auto" = Gluon where
 # it can run. The Gluon wgrad is correct (bitwise equal to this one on the H200) but slower: at DSv3,
-# 411-429 TFLOP/s at 128x64 / 8 warps and 537 at 64x64 / 4 warps vs 668-680 here (run 16c). An expert
-# has ~8 token blocks, so one CTA per SM spends much of its time filling its pipeline and storing dw,
-# which this kernel's three CTAs per SM overlap. A persistent Gluon wgrad would be the next step.
+# 559-573 TFLOP/s at its best tiles (64x128, one warpgroup, two CTAs per SM), 354-537 at others, vs
+# 652-680 here (runs 16c, 16e). An expert has ~8 token blocks, so each tile spends much of its time
+# filling its pipeline and storing dw, which this kernel's three CTAs per SM overlap better. A
+# persistent Gluon wgrad (the next tile's loads under this tile's store) would be the next step.
 WGRAD_ENGINE = "triton"
 
 
@@ -51,12 +52,12 @@ def default_config(gluon: bool = False) -> FP8WgradConfig:
     """Triton: 128x64 tiles at 4 warps (~165 registers, 72 KB of shared memory): three CTAs share an SM,
     so one CTA's FP32 promotion (an outer product of scales per token block) runs under another's
     wgmma. On the H200 at DSv3 shapes: 670-690 TFLOP/s vs ~500 with 128x128 tiles at 8 warps.
-    Gluon: 128 rows of dw x 64 columns at 8 warps: three 32-register tiles per thread and the
-    column scales fit without spills (128x128, or 64x128 at 4 warps, spill ~230 bytes in the loop)."""
+    Gluon: the same tiles on one warpgroup at 255 registers (48 bytes of spills), two CTAs per SM: 559-573
+    TFLOP/s at DSv3 vs 354-375 for 128x64 at 8 warps (one CTA per SM) and 537 for 64x64 (run 16e)."""
     if interpreting():
         return FP8WgradConfig(group_n=2, num_warps=4, num_stages=1)
     if gluon:
-        return FP8WgradConfig(block_n=128, block_k=64, num_warps=8, num_stages=4)
+        return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
     return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
