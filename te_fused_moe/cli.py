@@ -89,7 +89,17 @@ def env_report() -> Dict[str, object]:
         "device": str(device),
         "activations": sorted(ACTIVATIONS),
         "support": _support_matrix(device),
+        "fp8_block_kernels": _fp8_block_kernels(device),
     }
+
+
+def _fp8_block_kernels(device: torch.device) -> Dict[str, str]:
+    """Which FP8 block kernels backend='triton' runs here (Gluon on sm_90 with Triton >= 3.6)."""
+    try:
+        from .backends.triton.fp8_block.gemm import engines_on
+    except ImportError as exc:  # no triton
+        return {"all": f"unavailable: {exc}"}
+    return engines_on(device)
 
 
 def _print_env(report: Dict[str, object]) -> None:
@@ -103,6 +113,7 @@ def _print_env(report: Dict[str, object]) -> None:
     else:
         print(f"gpu                       none visible to torch (torch CUDA build: {gpu['torch_cuda']})")
     print(f"TE                        {json.dumps(report['transformer_engine'])}")
+    print("fp8_block kernels         " + "; ".join(f"{k}: {v}" for k, v in report["fp8_block_kernels"].items()))
     print(f"\nwhat backend='auto' runs on {report['device']} (bf16 params):")
     for row in report["support"]:
         print(f"  {row['recipe']:<10} {row['activation']:<15} -> {row['auto']}")

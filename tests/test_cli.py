@@ -33,6 +33,8 @@ def test_env_text_names_gpu_and_reasons(capsys):
     assert "gpu" in text and "backend='auto'" in text
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in text
+        assert ("fp8_block kernels         plain GEMMs: triton (the Gluon kernels are written for sm_90 (Hopper); "
+                "this is cpu)") in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -128,3 +128,16 @@ def test_gluon_needs_triton_3_6(monkeypatch):
     cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine="gluon")
     with pytest.raises(ValueError, match=r"plain_engine='gluon': the Gluon kernels need triton>=3.6"):
         gemm._plain_on_gluon(cfg, a, b)
+
+
+def test_engines_on_names_the_kernels_and_why(monkeypatch):
+    from te_fused_moe.backends.triton.fp8_block import gemm, wgrad
+
+    cpu = torch.device("cpu")
+    assert gemm.engines_on(cpu) == {
+        "plain GEMMs": "triton (the Gluon kernels are written for sm_90 (Hopper); this is cpu)",
+        "FC1 / dGLU": "fc1: one kernel, dact: one kernel", "wgrad": "triton"}
+    monkeypatch.setattr(gemm, "FC1_EPILOGUE", "separate")
+    monkeypatch.setattr(wgrad, "WGRAD_ENGINE", "gluon")
+    e = gemm.engines_on(cpu)
+    assert e["FC1 / dGLU"] == "fc1: GEMM + epilogue alone, dact: one kernel" and e["wgrad"] == "triton", e

@@ -429,6 +429,26 @@ def gluon_kernels_available() -> Optional[str]:
     return None
 
 
+def engines_on(device: torch.device) -> dict:
+    """Which kernels the FP8 block recipe runs on ``device`` with the current defaults, and why not the
+    Gluon ones where not (``te-fused-moe env``)."""
+    from . import wgrad
+
+    why_not = gluon_kernels_available()
+    if why_not is None and not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9):
+        why_not = f"the Gluon kernels are written for sm_90 (Hopper); this is {device}"
+    if why_not is None and interpreting():
+        why_not = "TRITON_INTERPRET=1 (Gluon has no interpreter)"
+    gluon = why_not is None and PLAIN_ENGINE != "triton"
+    separate = {kind: how == "separate" or (how == "auto" and gluon)
+                for kind, how in (("fc1", FC1_EPILOGUE), ("dact", DACT_EPILOGUE))}
+    return {
+        "plain GEMMs": "gluon" if gluon else f"triton ({why_not or 'PLAIN_ENGINE'})",
+        "FC1 / dGLU": ", ".join(f"{k}: {'GEMM + epilogue alone' if v else 'one kernel'}" for k, v in separate.items()),
+        "wgrad": "gluon" if wgrad.WGRAD_ENGINE in ("gluon", "auto") and why_not is None else "triton",
+    }
+
+
 def _plain_on_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a plain GEMM runs the Gluon kernel: "auto" where it can, "gluon" or an error."""
     engine = cfg.plain_engine or PLAIN_ENGINE
