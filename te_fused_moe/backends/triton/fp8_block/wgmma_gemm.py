@@ -156,8 +156,8 @@ def _promoted_mainloop(a_desc, b_desc, a_row, b_row, k_first, k_tiles, row_scale
     # Two register tiles take turns (X, Y): the loop runs two K blocks per trip so that neither is ever
     # copied; a copy of a tile whose wgmma is in flight makes ptxas serialise every wgmma (C7514). So
     # does a phi of an in-flight tile that ptxas cannot coalesce, which small changes here provoke:
-    # tests/test_fp8_block_wgmma.py checks the build. Scales load one block ahead; the wgrad's come as
-    # two vectors (an outer-product [BM, BN] tile held across the loop spilled).
+    # tests/test_fp8_block_wgmma.py checks the build. Row scales load one block ahead; the wgrad's
+    # column scales at the promotion (see _block_scale).
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     spare = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     mbarrier.wait(ready.index(0), 0)
