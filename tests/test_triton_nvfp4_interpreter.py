@@ -21,7 +21,11 @@ What is checked, and the bounds:
 4. The whole MLP forward + backward vs the reference backend's emulation of the same recipe with
    stochastic rounding off (the draws cannot match): token counts that are multiples of 16 (what
    TE requires for RHT, and what Megatron's padding for quantized recipes gives): norm-relative
-   <= 1e-3 with ``h`` saved in FP32. Other counts: the reference crops the zero-padded tail of an
+   <= 5e-3 with ``h`` saved in FP32 (1e-5 to 4e-4 typical), except the wgrads with RHT: <= 2e-2.
+   Their operands' columnwise copies are transformed in FP32 by the kernels and in FP64 by the
+   reference, so now and then one E2M1 code or E4M3 block scale lands a step away; at these sizes
+   one such flip moves dw by ~5e-3 (seed 206094 of ``swiglu-x16-empty``: dw2 5.4e-3, everything
+   else <= 5e-5, the rowwise forward exact). Other counts: the reference crops the zero-padded tail of an
    expert's transformed slice after its inverse RHT, the kernels multiply the transformed blocks
    (TE's definition), so the wgrads differ by ~2e-3: bound 1e-2. With ``h`` in BF16 (the default),
    ``dh`` sees ``h`` rounded and a code next to an E2M1 midpoint moves a whole step: 6e-2. Stochastic
@@ -45,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ != "__main__":
     pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
 
-TIGHT, RAGGED_RHT, LOOSE, SR_NOISE = 5e-3, 1e-2, 6e-2, 0.5
+TIGHT, RAGGED_RHT, WGRAD_RHT, LOOSE, SR_NOISE = 5e-3, 1e-2, 2e-2, 6e-2, 0.5
 SM90_MAX_SHARED = 227 * 1024  # shared memory one block may use on sm_90
 
 # (id, T, H, F, E, activation, bias, probs, counts or routing, padding, h_fp32, tma, frozen, recipe options)
@@ -378,12 +382,16 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     return res
 
 
-def mlp_bound(case) -> float:
+def mlp_bound(case, output: str) -> float:
+    """The bound for ``output``'s norm-relative error vs the reference (see the module doc, item 4)."""
     counts, h_fp32, options = case[8], case[10], case[13]
     if not h_fp32:
         return LOOSE
+    rht = not options.get("disable_rht")
     ragged = isinstance(counts, str) or any(c % 16 for c in counts)
-    return RAGGED_RHT if ragged and not options.get("disable_rht") else TIGHT
+    if rht and output in ("w1", "w2"):
+        return WGRAD_RHT
+    return RAGGED_RHT if ragged and rht else TIGHT
 
 
 # --- 5. dispatch, validation, the benchmark's baseline ---------------------------------------------------
@@ -552,8 +560,8 @@ def test_mlp_matches_reference_emulation(results, case):
     frozen, bias, probs = case[12], case[6], case[7]
     expected = {"y", "x", "w1", "w2"} | ({"b1", "b2"} if bias else set()) | ({"probs"} if probs else set())
     assert set(res["grads"]) == expected - set(frozen)
-    bound = mlp_bound(case)
     for name, err in res["err"].items():
+        bound = mlp_bound(case, name)
         assert res["nan"][name] == 0, (case[0], name, res)
         assert err <= bound, f"{case[0]} (seed {res['seed']}): {name} rel. error vs reference {err:.3g} > {bound}"
     for name, bad in res["nonzero"].items():
