@@ -455,6 +455,10 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "epi_bn128_s2": dict(epilogue_config=G(block_n=128, num_warps=8, num_stages=2, expand_bf16=True)),
             "wgrad_64x128_w4": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
                                                    expand_bf16=True)),
+            # the dGLU as its GEMM + the epilogue alone (opt-in, gemm.DACT_EPILOGUE; the FC1 row of this
+            # variant runs at 4 stages instead of 3)
+            "dglu_separate": dict(epilogue_config=G(block_n=64, num_warps=8, num_stages=4, expand_bf16=True,
+                                                    epilogue="separate")),
         }
     shape = bench.SHAPES[shape_name]
     inputs = bench.make_inputs(shape)

@@ -66,6 +66,9 @@ MLP_CASES = [
     # the GEMMs expanding FP8 operands in their K loops (autograd.EXPAND_BEFORE_GEMM off), TMA and pointers
     ("swiglu-empty-pad-kloop", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-kloop", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
+    # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
+    ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
 ]
 
 
@@ -415,11 +418,12 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
+    dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if case_id.endswith("-sepdglu") else "fused"
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, _poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
-        autograd.EXPAND_BEFORE_GEMM = default
+        autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE = default, dglu
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
 
@@ -507,10 +511,18 @@ def sm90_build_report() -> dict:
         quant = mode != MODE_PLAIN
         consts = dict(MODE=mode, ACT=ACT_IDS[act], GATED=gated, HAS_BIAS=True, HAS_PROBS=True,
                       WRITE_DPROB=mode == MODE_DACT, WRITE_DBIAS=mode == MODE_DACT, ROWWISE=quant,
-                      COLWISE=quant, USE_TMA=True, UPCAST=False, SPLIT_EPILOGUE=quant and cfg.split_epilogue, **spec,
+                      COLWISE=quant, USE_TMA=True, UPCAST=False, ACC_IN=False,
+                      SPLIT_EPILOGUE=quant and cfg.split_epilogue, **spec,
                       EXPAND=cfg.expand_bf16, A_BF16=values, B_BF16=values, BM=128, BN=cfg.block_n, BK=bk,
                       GROUP_M=cfg.group_m)
         report[name] = build(gemm.mx_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+    # the dGLU's epilogue alone (gemm.DACT_EPILOGUE = "separate"): no K loop, so no wgmma
+    cfg = gemm.default_config("dact", True)
+    consts.update(MODE=MODE_DACT, ACT=ACT_IDS["swiglu"], GATED=True, WRITE_DPROB=True, WRITE_DBIAS=True, ROWWISE=True,
+                  COLWISE=True, USE_TMA=False, ACC_IN=True, SPLIT_EPILOGUE=cfg.split_epilogue, BN=cfg.block_n)
+    report["dact_swiglu_epilogue_alone"] = build(gemm.mx_grouped_gemm_kernel,
+                                                 dict(ptrs, a_src="*bf16", b_src="*bf16", c_ptr="*fp32"), consts,
+                                                 cfg.num_warps, 1)
     for values in (False, True):
         wcfg = W.default_config(values)
         bt = 128 if wcfg.expand_bf16 else 32
@@ -554,6 +566,10 @@ def _worker() -> None:
         "exact_values": check_kernels_exact("cpu", seed=5, values=True),
         "exact_values_ptr_e5m2": check_kernels_exact("cpu", seed=6, use_tma=False, fmt="e5m2", T=200, H=128,
                                                      values=True),
+        # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE), on BF16 values and FP8 operands
+        "exact_values_separate_dglu": check_kernels_exact("cpu", seed=7, values=True,
+                                                          epilogue=dict(epilogue="separate")),
+        "exact_separate_dglu": check_kernels_exact("cpu", seed=8, T=200, H=128, epilogue=dict(epilogue="separate")),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -575,8 +591,11 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_triton_mxfp8_interpreter")
+    assert "dact_swiglu_epilogue_alone" in report
     for name, r in report.items():
-        if name.startswith(("fc", "dact", "dgrad", "wgrad")):
+        if name.endswith("_epilogue_alone"):
+            assert r["qgmma"] + r["hgmma"] == 0, (name, r)  # the K loop is compiled out
+        elif name.startswith(("fc", "dact", "dgrad", "wgrad")):
             assert r["qgmma"] + r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
         # the quantizing epilogues (after the K loop) may spill a little: FC1 at BN = 128 (measured
         # faster than 64 anyway, run 13) and the dGLU
@@ -607,7 +626,8 @@ def test_weight_cache_refreshes_once_per_step(results):
 
 
 @pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand",
-                                 "exact_values", "exact_values_ptr_e5m2"])
+                                 "exact_values", "exact_values_ptr_e5m2", "exact_values_separate_dglu",
+                                 "exact_separate_dglu"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered

@@ -79,10 +79,13 @@ def test_promotion_loop_exact_on_integer_data_gpu():
         assert bad[name] == 0, (name, bad)
 
 
-@pytest.mark.parametrize("tma,fmt", [(True, "e4m3"), (False, "e5m2")], ids=["tma", "ptr-e5m2"])
-def test_bf16_values_exact_on_integer_data_gpu(tma, fmt):
-    # every GEMM reading the BF16 values an expansion pass wrote before it (the fused path's default)
-    bad = checks.check_kernels_exact("cuda", seed=5, use_tma=tma, fmt=fmt, values=True)
+@pytest.mark.parametrize("tma,fmt,dglu", [(True, "e4m3", "fused"), (False, "e5m2", "fused"), (True, "e4m3", "separate"),
+                                          (False, "e5m2", "separate")],
+                         ids=["tma", "ptr-e5m2", "dglu-separate", "dglu-separate-ptr-e5m2"])
+def test_bf16_values_exact_on_integer_data_gpu(tma, fmt, dglu):
+    # every GEMM reading the BF16 values an expansion pass wrote before it (the fused path's default);
+    # the dGLU as one kernel (the default) or as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE)
+    bad = checks.check_kernels_exact("cuda", seed=5, use_tma=tma, fmt=fmt, values=True, epilogue=dict(epilogue=dglu))
     print("MXFP8_EXACT_VALUES", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)

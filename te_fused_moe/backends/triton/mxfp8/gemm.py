@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
-from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands,
+from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_PLAIN, kernel_operands,
                                    operand_sources, quantized_copies, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
@@ -60,6 +60,15 @@ EXPAND_BLOCK_K = 128  # K step of the expand_bf16 loop: four scale blocks
 EXPAND_BF16_DEFAULT = True
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
+# How the dGLU runs: "fused" = one kernel (the default); "separate" = this module's plain GEMM writes
+# da in FP32 ([T, F], transient), then the same kernel with ``ACC_IN`` runs the dGLU + quantize
+# epilogue alone (same FP32 values through the same code, so the same bytes); "auto" = separate on
+# CUDA. Why it exists: at DSv3 on the H200 the fused dGLU took 2.84 ms against 1.63 ms for its GEMM
+# alone (run 16d), and the FP8 block recipe's dGLU gained 1.1 ms this way (``fp8_block.gemm``). Not
+# yet the default: it is exact under the interpreter and builds for sm_90a, but has not run on a GPU
+# (no device time was left in session 6). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM
+# alone leaves nothing for a separate epilogue to win.
+DACT_EPILOGUE = "fused"
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class MXGemmConfig:
     num_stages: int = 4
     split_epilogue: bool = True  # FC1 / dGLU epilogues in two independent 64-column halves (register pressure)
     expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see expand_bf16)
+    epilogue: Optional[str] = None  # dGLU: "auto", "separate" or "fused"; None = DACT_EPILOGUE
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> MXGemmConfig:
@@ -216,7 +226,7 @@ def mx_grouped_gemm_kernel(
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
-    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, ACC_IN: tl.constexpr,
     SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
     EXPAND: tl.constexpr, A_BF16: tl.constexpr, B_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -243,10 +253,37 @@ def mx_grouped_gemm_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    k_tiles = tl.where(is_padding, 0, K // BK)
-    if EXPAND:
-        # BK = 128: four scale blocks per step, both operands expanded exactly to BF16 and one BF16
-        # wgmma into the loop-carried accumulator (no promotion pass)
+    if ACC_IN:
+        # the epilogue alone, on the accumulator another kernel wrote (FP32 [T, B's rows] in c)
+        acc_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + (pid_n * BN + tl.arange(0, BN))[None, :]
+        acc = tl.load(acc_ptrs, mask=(rows < row_end)[:, None], other=0.0)
+        if GATED and MODE == 1:
+            acc_up = tl.load(acc_ptrs + b_up_rows, mask=(rows < row_end)[:, None], other=0.0)
+    else:
+        k_tiles = tl.where(is_padding, 0, K // BK)
+        if EXPAND:
+            # BK = 128: four scale blocks per step, both operands expanded exactly to BF16 and one BF16
+            # wgmma into the loop-carried accumulator (no promotion pass)
+            for kt in range(0, k_tiles):
+                k0 = kt * BK
+                if USE_TMA:
+                    a = a_src.load([a_row, k0])
+                    b = b_src.load([b_row, k0])
+                else:
+                    a = tl.load(a_ptrs + k0)
+                    b = tl.load(b_ptrs + k0)
+                kb = kt * (BK // 32) + tl.arange(0, BK // 32)
+                a_x = as_bf16(a, sa_ptrs, kb, stride_ask, A_BF16, BM, BK, UPCAST)
+                b_x = as_bf16(b, sb_ptrs, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
+                acc = tl.dot(a_x, tl.trans(b_x), acc)
+                if GATED and MODE == 1:
+                    if USE_TMA:
+                        b_up = b_src.load([b_row + b_up_rows, k0])
+                    else:
+                        b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+                    up_x = as_bf16(b_up, sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
+                    acc_up = tl.dot(a_x, tl.trans(up_x), acc_up)
+            k_tiles = 0  # the promotion loop below does nothing
         for kt in range(0, k_tiles):
             k0 = kt * BK
             if USE_TMA:
@@ -255,41 +292,21 @@ def mx_grouped_gemm_kernel(
             else:
                 a = tl.load(a_ptrs + k0)
                 b = tl.load(b_ptrs + k0)
-            kb = kt * (BK // 32) + tl.arange(0, BK // 32)
-            a_x = as_bf16(a, sa_ptrs, kb, stride_ask, A_BF16, BM, BK, UPCAST)
-            b_x = as_bf16(b, sb_ptrs, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
-            acc = tl.dot(a_x, tl.trans(b_x), acc)
+            sa = mx_dequant_scale(tl.load(sa_ptrs + kt * stride_ask))
+            sb = mx_dequant_scale(tl.load(sb_ptrs + kt * stride_bsk))
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
             if GATED and MODE == 1:
                 if USE_TMA:
                     b_up = b_src.load([b_row + b_up_rows, k0])
                 else:
                     b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
-                up_x = as_bf16(b_up, sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
-                acc_up = tl.dot(a_x, tl.trans(up_x), acc_up)
-        k_tiles = 0  # the promotion loop below does nothing
-    for kt in range(0, k_tiles):
-        k0 = kt * BK
-        if USE_TMA:
-            a = a_src.load([a_row, k0])
-            b = b_src.load([b_row, k0])
-        else:
-            a = tl.load(a_ptrs + k0)
-            b = tl.load(b_ptrs + k0)
-        sa = mx_dequant_scale(tl.load(sa_ptrs + kt * stride_ask))
-        sb = mx_dequant_scale(tl.load(sb_ptrs + kt * stride_bsk))
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-        if GATED and MODE == 1:
-            if USE_TMA:
-                b_up = b_src.load([b_row + b_up_rows, k0])
-            else:
-                b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
-            sb_up = mx_dequant_scale(tl.load(sb_ptrs + b_up_rows * stride_bsn + kt * stride_bsk))
-            if UPCAST:
-                b_up = b_up.to(tl.float32)
-            acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
+                sb_up = mx_dequant_scale(tl.load(sb_ptrs + b_up_rows * stride_bsn + kt * stride_bsk))
+                if UPCAST:
+                    b_up = b_up.to(tl.float32)
+                acc_up += tl.dot(a, tl.trans(b_up)) * (sa[:, None] * sb_up[None, :])
 
     # --- epilogue, FP32
     cols = pid_n * BN + tl.arange(0, BN)
@@ -387,10 +404,15 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     block_k = EXPAND_BLOCK_K if cfg.expand_bf16 else MX
     if k % block_k:
         raise ValueError(f"config: expand_bf16 needs K={k} to be a multiple of {EXPAND_BLOCK_K}")
+    acc_in = mode == MODE_DACT and _separate_dact(cfg, a)
+    if acc_in:
+        # the dGLU GEMM alone into FP32 (this module's plain kernel), then this kernel's epilogue on it
+        c = torch.empty((num_rows, b.shape[1]), device=a.device, dtype=torch.float32)
+        launch("fc2", a, a_scale, b, b_scale, b.shape[1], schedule, num_experts, spec, c=c)
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     rowwise, colwise = quantized_copies(q)
-    use_tma = USE_TMA_DEFAULT and tma_allowed(a, b)
+    use_tma = USE_TMA_DEFAULT and tma_allowed(a, b) and not acc_in
     a_src, b_src = operand_sources(a, b, TILE, cfg.block_n, block_k, use_tma)
     return mx_grouped_gemm_kernel[grid](
         *kernel_operands(a_src, a, a_scale, b_src, b, b_scale, b_up_rows, c, q, q_up_offset, h, h_up_offset, bias,
@@ -400,7 +422,17 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(), EXPAND=cfg.expand_bf16,
-        A_BF16=a_bf16, B_BF16=b_bf16,
-        BM=TILE, BN=cfg.block_n, BK=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACC_IN=acc_in, SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue, **spec.constexprs(),
+        EXPAND=cfg.expand_bf16, A_BF16=a_bf16, B_BF16=b_bf16, BM=TILE, BN=cfg.block_n, BK=block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=1 if acc_in else cfg.num_stages,
     )
+
+
+def _separate_dact(cfg: "MXGemmConfig", a: torch.Tensor) -> bool:
+    """Whether the dGLU runs as the plain GEMM + the epilogue alone (see ``DACT_EPILOGUE``)."""
+    how = cfg.epilogue or DACT_EPILOGUE
+    if how not in ("auto", "separate", "fused"):
+        raise ValueError(f"epilogue: expected 'auto', 'separate' or 'fused', got {how!r}")
+    if how == "auto":
+        return a.is_cuda and not interpreting()
+    return how == "separate"
