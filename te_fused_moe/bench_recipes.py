@@ -230,16 +230,6 @@ def _module_flags(module_name: str, flags: Dict):
             setattr(module, name, value)
 
 
-def _fused_with(recipe: str, **flags):
-    """The fused path with module flags of the recipe's ``autograd`` module set for its forward (the
-    backward reads what the forward chose), e.g. ``EXPAND_BEFORE_GEMM=False``."""
-    def run(x, counts, w1, w2, activation):
-        with _module_flags(f".backends.triton.{recipe}.autograd", flags):
-            return _fused(recipe)(x, counts, w1, w2, activation)
-
-    return run
-
-
 def _fused_under(recipe: str, **module_flags: Dict):
     """The fused path with flags of modules ``backends.triton.<recipe>.<module>`` (``module=dict(...)``)
     set while it is timed, forward and backward (``bench_impl`` enters ``run.context``)."""
@@ -263,9 +253,9 @@ def _fused_under(recipe: str, **module_flags: Dict):
 VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused"))},
-            "mxfp8": {"mxfp8_fused_k_loop": _fused_with("mxfp8", EXPAND_BEFORE_GEMM=False)},
-            "nvfp4": {"nvfp4_fused_k_loop": _fused_with("nvfp4", EXPAND_BEFORE_GEMM=False),
-                      "nvfp4_fused_bf16_weights": _fused_with("nvfp4", BF16_WEIGHT_VALUES=True)}}
+            "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},
+            "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
+                      "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():
     IMPLEMENTATIONS.update(_variants)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in

@@ -5,13 +5,21 @@ stride 0 (the kernel's constexpr flags keep it from being touched)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 # The block-scaled GEMM kernels' MODE constexpr, and the mode each GEMM of the expert MLP runs in
 MODE_PLAIN, MODE_FC1, MODE_DACT = 0, 1, 2
 GEMM_MODES = {"fc1": MODE_FC1, "fc2": MODE_PLAIN, "dact": MODE_DACT, "dgrad": MODE_PLAIN}
+
+
+def separate_epilogue(how: str, auto: Callable[[], bool]) -> bool:
+    """Resolves a quantizing GEMM's epilogue switch: "fused" (one kernel), "separate" (the plain GEMM
+    into FP32, then the kernel's epilogue alone) or "auto" (``auto()`` decides)."""
+    if how not in ("auto", "separate", "fused"):
+        raise ValueError(f"epilogue: expected 'auto', 'separate' or 'fused', got {how!r}")
+    return auto() if how == "auto" else how == "separate"
 
 
 def tma_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:

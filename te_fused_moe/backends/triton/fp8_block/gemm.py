@@ -31,18 +31,19 @@ products of FP8 values are exact in FP32, so this changes nothing but the summat
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
-from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands,
-                                   operand_sources, quantized_copies, tma_allowed)
+from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands, operand_sources, quantized_copies,
+                                   separate_epilogue, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
@@ -418,15 +419,38 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
 
 def gluon_kernels_available() -> Optional[str]:
     """None if this Triton has the Gluon API the kernels of :mod:`.wgmma_gemm` are written against
-    (Triton 3.6), else why not."""
-    major, minor = (int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
+    (Triton 3.6), else why not. Asked on every launch: the answer is cached per Triton version."""
+    return _gluon_check(triton.__version__)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_check(version: str) -> Optional[str]:
+    major, minor = (int(v) for v in re.findall(r"\d+", version)[:2])
     if (major, minor) < (3, 6):
-        return f"the Gluon kernels need triton>=3.6 (Gluon's Hopper API), found {triton.__version__}"
+        return f"the Gluon kernels need triton>=3.6 (Gluon's Hopper API), found {version}"
     try:
         importlib.import_module(".wgmma_gemm", __package__)
     except ImportError as exc:
         return f"triton.experimental.gluon did not import: {exc}"
     return None
+
+
+def on_gluon(engine: str, option: str, runs_here: Callable[[], bool], why_not_here: Callable[[], str]) -> bool:
+    """Resolves an engine switch ("auto", "gluon" or "triton", named ``option`` in errors): "auto" is
+    Gluon where ``runs_here()`` (and the Gluon API, and no interpreter), "gluon" is Gluon or an error
+    saying why not (``why_not_here()`` when the API is there but the operands or GPU are not)."""
+    if engine == "triton" or (engine == "auto" and interpreting()):
+        return False
+    if engine not in ("auto", "gluon"):
+        raise ValueError(f"{option}: expected 'auto', 'gluon' or 'triton', got {engine!r}")
+    missing = gluon_kernels_available()
+    if missing is None:
+        if runs_here():
+            return True
+        missing = why_not_here()
+    if engine == "gluon":
+        raise ValueError(f"{option}='gluon': {missing}")
+    return False
 
 
 def engines_on(device: torch.device) -> dict:
@@ -451,29 +475,17 @@ def engines_on(device: torch.device) -> dict:
 
 def _plain_on_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a plain GEMM runs the Gluon kernel: "auto" where it can, "gluon" or an error."""
-    engine = cfg.plain_engine or PLAIN_ENGINE
-    if engine == "triton" or (engine == "auto" and interpreting()):
-        return False
-    if engine not in ("auto", "gluon"):
-        raise ValueError(f"plain_engine: expected 'auto', 'gluon' or 'triton', got {engine!r}")
-    missing = gluon_kernels_available()
-    if missing is None:
+    def usable() -> bool:
         from .wgmma_gemm import usable
 
-        if usable(a, b):
-            return True
-        missing = ("the Gluon FP8 block GEMM needs an sm_90 GPU and FP8 operands with TMA-legal layouts (got "
-                   f"{a.dtype} on {a.device}, b {b.dtype}, contiguous={b.is_contiguous()})")
-    if engine == "gluon":
-        raise ValueError(f"plain_engine='gluon': {missing}")
-    return False
+        return usable(a, b)
+
+    return on_gluon(cfg.plain_engine or PLAIN_ENGINE, "plain_engine", usable,
+                    lambda: ("the Gluon FP8 block GEMM needs an sm_90 GPU and FP8 operands with TMA-legal layouts "
+                             f"(got {a.dtype} on {a.device}, b {b.dtype}, contiguous={b.is_contiguous()})"))
 
 
 def _separate_epilogue(kind: str, cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether FC1 / the dGLU run as the plain GEMM + the epilogue alone (see ``FC1_EPILOGUE``)."""
-    how = cfg.epilogue or (FC1_EPILOGUE if kind == "fc1" else DACT_EPILOGUE)
-    if how not in ("auto", "separate", "fused"):
-        raise ValueError(f"epilogue: expected 'auto', 'separate' or 'fused', got {how!r}")
-    if how == "auto":
-        return _plain_on_gluon(default_config("fc2"), a, b)
-    return how == "separate"
+    return separate_epilogue(cfg.epilogue or (FC1_EPILOGUE if kind == "fc1" else DACT_EPILOGUE),
+                             lambda: _plain_on_gluon(default_config("fc2"), a, b))

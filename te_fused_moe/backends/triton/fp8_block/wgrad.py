@@ -63,22 +63,14 @@ def default_config(gluon: bool = False) -> FP8WgradConfig:
 
 def _on_gluon(cfg: Optional[FP8WgradConfig], g: QuantizedRows, x: QuantizedRows) -> bool:
     """Whether the wgrad runs the Gluon kernel: "auto" where it can, "gluon" or an error."""
-    engine = (cfg.engine if cfg is not None else None) or WGRAD_ENGINE
-    if engine == "triton" or (engine == "auto" and interpreting()):
-        return False
-    if engine not in ("auto", "gluon"):
-        raise ValueError(f"engine: expected 'auto', 'gluon' or 'triton', got {engine!r}")
-    missing = fp8_gemm.gluon_kernels_available()
-    if missing is None:
+    def usable() -> bool:
         from .wgmma_gemm import wgrad_usable
 
-        if g.data_t is not None and x.data_t is not None and wgrad_usable(g.data_t, x.data_t):
-            return True
-        missing = ("the Gluon FP8 block wgrad needs an sm_90 GPU and the FP8 columnwise copies (data_t) contiguous "
-                   "and 16-byte aligned")
-    if engine == "gluon":
-        raise ValueError(f"engine='gluon': {missing}")
-    return False
+        return g.data_t is not None and x.data_t is not None and wgrad_usable(g.data_t, x.data_t)
+
+    return fp8_gemm.on_gluon((cfg.engine if cfg is not None else None) or WGRAD_ENGINE, "engine", usable,
+                             lambda: "the Gluon FP8 block wgrad needs an sm_90 GPU and the FP8 columnwise copies "
+                                     "(data_t) contiguous and 16-byte aligned")
 
 
 @triton.jit

@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
-from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_PLAIN, kernel_operands,
-                                   operand_sources, quantized_copies, tma_allowed)
+from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_PLAIN, kernel_operands, operand_sources,
+                                   quantized_copies, separate_epilogue, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import expand_bf16, mx_dequant_scale
@@ -430,9 +430,4 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
 
 def _separate_dact(cfg: "MXGemmConfig", a: torch.Tensor) -> bool:
     """Whether the dGLU runs as the plain GEMM + the epilogue alone (see ``DACT_EPILOGUE``)."""
-    how = cfg.epilogue or DACT_EPILOGUE
-    if how not in ("auto", "separate", "fused"):
-        raise ValueError(f"epilogue: expected 'auto', 'separate' or 'fused', got {how!r}")
-    if how == "auto":
-        return a.is_cuda and not interpreting()
-    return how == "separate"
+    return separate_epilogue(cfg.epilogue or DACT_EPILOGUE, lambda: a.is_cuda and not interpreting())
