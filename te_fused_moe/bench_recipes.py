@@ -409,12 +409,25 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
             # the wgrads on the Gluon kernel (opt-in: slower, run 16c) at its default tiles and others
-            "wgrad_gluon": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon")),
+            # the Gluon wgrad, persistent (ctas_per_sm programs per SM; 0: one per tile)
+            "wgrad_gluon": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon",
+                                               ctas_per_sm=2)),
+            "wgrad_gluon_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                                                          engine="gluon")),
+            "wgrad_gluon_128x128_w8_s3": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=3,
+                                                             engine="gluon")),
             "wgrad_gluon_128x64_w8": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=4,
                                                          engine="gluon")),
-            "wgrad_gluon_64x64_w4": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
-                                                        engine="gluon")),
-            "wgrad_gluon_s4": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4, engine="gluon")),
+            "wgrad_gluon_128x64_w8_2cta": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=3,
+                                                              engine="gluon", ctas_per_sm=2)),
+            "wgrad_gluon_64x64_w4_3cta": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
+                                                             engine="gluon", ctas_per_sm=3)),
+            "wgrad_gluon_64x128_w4_1cta": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4,
+                                                              engine="gluon", ctas_per_sm=1)),
+            "wgrad_gluon_nonpersistent": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
+                                                             engine="gluon", ctas_per_sm=0)),
+            # the plain GEMMs persistent (one program per SM)
+            "plain_gluon_persistent": dict(gemm_config=G(num_stages=4, ctas_per_sm=1)),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),
@@ -422,6 +435,17 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "quantize_w16_r255": dict(quantize_warps=16, quantize_maxnreg=255),  # the default before run 16
             "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),
             "quantize_w4_r128": dict(quantize_warps=4, quantize_maxnreg=128),
+            # the epilogues alone (FC1, dGLU): warps and register caps (more CTAs per SM overlap one's
+            # loads with another's math), and the unsplit epilogue
+            "alone_w8_r128": dict(epilogue_config=G(num_stages=3, alone_warps=8, alone_maxnreg=128)),
+            "alone_w8": dict(epilogue_config=G(num_stages=3, alone_warps=8)),
+            "alone_w4_r128": dict(epilogue_config=G(num_stages=3, alone_warps=4, alone_maxnreg=128)),
+            "alone_w4_r96": dict(epilogue_config=G(num_stages=3, alone_warps=4, alone_maxnreg=96)),
+            "alone_w16_r64": dict(epilogue_config=G(num_stages=3, alone_maxnreg=64)),
+            "alone_split": dict(epilogue_config=G(num_stages=3, split_epilogue=True)),
+            # the Triton wgrad at fewer stages and a register cap: four CTAs per SM instead of three
+            "wgrad_s2_r128": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=2, maxnreg=128)),
+            "wgrad_s3_r128": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, maxnreg=128)),
         }
         # measured before (run 11, benchmarks/results/run11_fp8_speed/): 128x64 wgrad tiles at 4 warps
         # (now the default) vs 128x128 at 8 warps; FC2 / FC1 dgrad at 128x64 (mixed, not adopted); the

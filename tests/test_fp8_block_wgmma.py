@@ -42,7 +42,8 @@ def sm90_build_report() -> dict:
     for name, block_n, block_k, warps in (("wgrad", cfg.block_n, cfg.block_k, cfg.num_warps), ("wgrad_64x64", 64, 64, 4)):
         g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
         types = dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
-                     gs_ptr="*fp32", xs_ptr="*fp32", dw_ptr="*bf16", sched_ptr="*i32")
+                     xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
+                     dw_ptr="*bf16", sched_ptr="*i32")
         report[name] = build_gluon_sm90(W.fp8_block_wgrad_wgmma_kernel, types,
                                         dict(GROUP_N=8, NUM_STAGES=cfg.num_stages), num_warps=warps)
     return report

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -265,7 +266,7 @@ def check_weight_cache(device: str) -> dict:
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
 def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, use_tma: bool = True,
-                        split_epilogue: bool = True, epilogue: str = "auto") -> dict:
+                        split_epilogue: Optional[bool] = None, epilogue: str = "auto") -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives a power-of-2 scale with
     3*scale representable), GEMM sums are small integers (exact in any order, also in the FP8 wgmma's
     reduced-precision accumulator), so every kernel output has one right answer. ``srelu`` keeps the
@@ -463,6 +464,7 @@ def _worker() -> None:
         "exact_ptr": check_kernels_exact("cpu", seed=1, use_tma=False),
         "exact_unsplit": check_kernels_exact("cpu", seed=2, split_epilogue=False),
         "exact_separate_epilogues": check_kernels_exact("cpu", seed=3, epilogue="separate"),
+        "exact_separate_split": check_kernels_exact("cpu", seed=4, split_epilogue=True, epilogue="separate"),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -498,7 +500,8 @@ def test_weight_cache_refreshes_once_per_step(results):
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("key", ["exact", "exact_ptr", "exact_unsplit", "exact_separate_epilogues"])
+@pytest.mark.parametrize("key", ["exact", "exact_ptr", "exact_unsplit", "exact_separate_epilogues",
+                                 "exact_separate_split"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered

@@ -15,6 +15,10 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py
   expert) the same ways: exact on integer data, and on random data vs FP64 on the dequantized copies
   (``2^-8 |ref| + 2^-9 (|G|^T |X|)``) and no worse than the Triton wgrad; experts without tokens get
   zeros; the default tiles and 64x64 at 4 warps.
+- Persistence: both kernels loop over tiles with one load cursor running ahead across them; a
+  grid forced down to 1-7 programs (many tiles each) must give the same exact results, with runs
+  of empty experts and one-block experts in between (the cursor's catch-up path), and so must the
+  one-program-per-tile launch.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from moe_reference import make_counts
 pytestmark = pytest.mark.gpu
 
 
-def _problem(T, K, N, E, fmt, integer, seed, routing="empty", padding=7):
+def _problem(T, K, N, E, fmt, integer, seed, routing="empty", padding=7, counts=None):
     from te_fused_moe.backends.triton.fp8_block import quantize as Q
     from te_fused_moe.backends.triton.schedule import build_schedule
 
@@ -42,7 +46,7 @@ def _problem(T, K, N, E, fmt, integer, seed, routing="empty", padding=7):
     else:
         a = torch.randn(T, K, generator=g) * torch.rand(T, 1, generator=g) * 4
         w = torch.randn(E, N, K, generator=g) * 0.05
-    counts = make_counts(T, E, routing, generator=g, padding=padding)
+    counts = make_counts(T, E, routing, generator=g, padding=padding) if counts is None else counts
     sched = build_schedule(counts.cuda(), T, 128)
     aq = Q.quantize_rows(a.cuda().bfloat16(), sched, E, Q.FP8Spec.of(fmt, True), rowwise=True)
     wq = Q.quantize_weight(w.cuda().bfloat16(), Q.FP8Spec.of("e4m3", True), transposed=False)
@@ -64,13 +68,11 @@ def _reference(aq, wq, counts, bias):
     return ref, mag, row
 
 
-def _run(engine, aq, wq, counts, sched, bias, n):
-    import dataclasses
-
+def _run(engine, aq, wq, counts, sched, bias, n, **config):
     from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
 
     c = torch.full((aq.data.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine)
+    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine, **config)
     gemm.launch("fc2", aq.data, aq.scale, wq.data, wq.scale, n, sched, counts.numel(), Q.FP8Spec(), c=c, bias=bias,
                 config=cfg)
     return c
@@ -131,7 +133,7 @@ def test_no_host_syncs_and_dgrad_shapes():
     assert int((diff > 2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag).sum()) == 0
 
 
-def _wgrad_problem(T, N, K, E, integer, seed, routing="empty", padding=5):
+def _wgrad_problem(T, N, K, E, integer, seed, routing="empty", padding=5, counts=None):
     from te_fused_moe.backends.triton.fp8_block import quantize as Q
     from te_fused_moe.backends.triton.schedule import build_schedule
 
@@ -141,7 +143,7 @@ def _wgrad_problem(T, N, K, E, integer, seed, routing="empty", padding=5):
     else:
         g = torch.randn(T, N, generator=gen) * torch.rand(1, N, generator=gen) * 3
         x = torch.randn(T, K, generator=gen) * torch.rand(T, 1, generator=gen)
-    counts = make_counts(T, E, routing, generator=gen, padding=padding)
+    counts = make_counts(T, E, routing, generator=gen, padding=padding) if counts is None else counts
     sched = build_schedule(counts.cuda(), T, 128)
     gq = Q.quantize_rows(g.cuda().bfloat16(), sched, E, Q.FP8Spec.of("e5m2", True), rowwise=False, colwise=True)
     xq = Q.quantize_rows(x.cuda().bfloat16(), sched, E, Q.FP8Spec.of("e4m3", True), rowwise=False, colwise=True)
@@ -205,3 +207,42 @@ def test_wgrad_random_data_vs_fp64_and_triton(routing):
     for e in errs.values():
         assert e["far"] == 0 and e["nan"] == 0, errs
     assert errs["gluon"]["rel"] <= 1.05 * errs["triton"]["rel"] + 1e-6, errs
+
+
+# experts: runs of empty ones, one-block ones (1 and 128 tokens), several blocks; 7 padding rows
+_PERSISTENT_COUNTS = [0, 0, 0, 130, 1, 0, 0, 0, 0, 128, 300, 0, 1, 257, 0, 0]
+
+
+def _forced_grid(monkeypatch, programs):
+    """Launch ``programs`` persistent programs however many tiles and SMs there are."""
+    from te_fused_moe.backends.triton.fp8_block import wgmma_gemm
+
+    monkeypatch.setattr(wgmma_gemm, "persistent_grid", lambda tiles, device, ctas_per_sm: min(tiles, programs))
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_persistent_plain_exact_on_integer_data(monkeypatch, programs):
+    counts = torch.tensor(_PERSISTENT_COUNTS)
+    T = int(counts.sum()) + 7
+    aq, wq, counts, sched, _ = _problem(T, 128 * 3, 256, counts.numel(), "e4m3", True, seed=programs, counts=counts)
+    ref, _, routed = _reference(aq, wq, counts, None)
+    _forced_grid(monkeypatch, programs)
+    out = _run("gluon", aq, wq, counts, sched, None, 256, ctas_per_sm=1)
+    bad, pad = int((out[:routed] != ref[:routed].to(torch.bfloat16)).sum()), int((out[routed:] != 0).sum())
+    print("PERSISTENT_PLAIN", programs, bad, pad)
+    assert bad == 0 and pad == 0, (programs, bad, pad)
+
+
+@pytest.mark.parametrize("programs,tiles", [(1, {}), (2, {}), (5, dict(block_n=64, block_k=64, num_warps=4)),
+                                            (None, dict(ctas_per_sm=0)), (None, dict(ctas_per_sm=3))])
+def test_persistent_wgrad_exact_on_integer_data(monkeypatch, programs, tiles):
+    counts = torch.tensor(_PERSISTENT_COUNTS)
+    N, K = 256, 384
+    gq, xq, counts, sched = _wgrad_problem(int(counts.sum()) + 7, N, K, counts.numel(), True, seed=2, counts=counts)
+    ref, _ = _wgrad_reference(gq, xq, counts, sched, N, K)
+    if programs is not None:
+        _forced_grid(monkeypatch, programs)
+    dw = _run_wgrad("gluon", gq, xq, sched, (counts.numel(), N, K), **tiles)
+    bad = int((dw != ref.to(torch.bfloat16)).sum())
+    print("PERSISTENT_WGRAD", programs, tiles, bad)
+    assert bad == 0, (programs, tiles, bad)

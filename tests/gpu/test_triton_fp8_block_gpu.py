@@ -51,13 +51,13 @@ def test_weight_cache_on_gpu():
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
 
 
-@pytest.mark.parametrize("tma,seed,split,epilogue", [(True, 0, True, "auto"), (True, 1, True, "auto"),
-                                                      (False, 0, True, "auto"), (True, 2, False, "auto"),
-                                                      (True, 3, True, "fused"), (True, 4, False, "fused")],
-                         ids=["tma-empty", "tma", "ptr-empty", "unsplit-epilogue", "fused", "fused-unsplit"])
+@pytest.mark.parametrize("tma,seed,split,epilogue", [(True, 0, None, "auto"), (True, 1, None, "auto"),
+                                                      (False, 0, None, "auto"), (True, 2, True, "auto"),
+                                                      (True, 3, None, "fused"), (True, 4, False, "fused")],
+                         ids=["tma-empty", "tma", "ptr-empty", "split-alone", "fused", "fused-unsplit"])
 def test_every_kernel_exact_on_integer_data_gpu(tma, seed, split, epilogue):
-    """On sm_90 "auto" runs FC1 and the dGLU as the Gluon GEMM + the epilogue alone; "fused" as one
-    kernel each."""
+    """On sm_90 "auto" runs FC1 and the dGLU as the Gluon GEMM + the epilogue alone (whole by default,
+    ``split``: in halves); "fused" as one kernel each (in halves by default)."""
     bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma, split_epilogue=split, epilogue=epilogue)
     print("FP8_EXACT", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):

@@ -67,6 +67,8 @@ DACT_EPILOGUE = "auto"
 # The epilogue alone runs at 16 warps (128 registers): dGLU 1.98 -> 1.75 ms at DSv3 vs 8 warps, FC1
 # unchanged (run 16c); 1.75 + the GEMM vs 2.86 ms for the fused dGLU kernel.
 EPILOGUE_ALONE_WARPS = 16
+# ...and its register cap (None: the compiler's choice; a cap lets more CTAs share an SM)
+EPILOGUE_ALONE_MAXNREG: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,14 @@ class FP8GemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     use_tma: bool = True
-    split_epilogue: bool = True  # FC1 and dGLU epilogues in two 64-column halves (register pressure)
+    # FC1 and dGLU epilogues in two 64-column halves (register pressure); None: split in the fused
+    # kernels, whole in the epilogue alone (at 16 warps: FC1 -0.18 ms, dGLU -0.12 ms at DSv3, run 17)
+    split_epilogue: Optional[bool] = None
     plain_engine: Optional[str] = None  # FC2 / FC1 dgrad: "auto", "gluon" or "triton"; None = PLAIN_ENGINE
     epilogue: Optional[str] = None  # FC1 / dGLU: "auto", "separate" or "fused"; None = FC1_ / DACT_EPILOGUE
+    alone_warps: Optional[int] = None  # the epilogue alone: warps, register cap; None = EPILOGUE_ALONE_*
+    alone_maxnreg: Optional[int] = None
+    ctas_per_sm: int = 0  # the Gluon plain GEMM: persistent programs per SM (0: one program per tile)
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
@@ -391,7 +398,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         from .wgmma_gemm import launch_plain
 
         return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
-                            num_stages=cfg.num_stages)
+                            num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
     if acc_in:
         # the GEMM alone (all of B's rows: FC1's gate and up halves) into FP32 with the fastest plain
@@ -411,10 +418,23 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        ACC_IN=acc_in, SPLIT_EPILOGUE=mode != MODE_PLAIN and cfg.split_epilogue,
+        ACC_IN=acc_in, SPLIT_EPILOGUE=mode != MODE_PLAIN and _split(cfg, acc_in),
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
-        num_warps=EPILOGUE_ALONE_WARPS if acc_in else cfg.num_warps, num_stages=1 if acc_in else cfg.num_stages,
+        **_launch_shape(cfg, acc_in),
     )
+
+
+def _split(cfg: FP8GemmConfig, acc_in: bool) -> bool:
+    return cfg.split_epilogue if cfg.split_epilogue is not None else not acc_in
+
+
+def _launch_shape(cfg: FP8GemmConfig, acc_in: bool) -> dict:
+    """Warps, stages and register cap of a launch: the epilogue alone has no K loop to pipeline."""
+    if not acc_in:
+        return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    maxnreg = cfg.alone_maxnreg or EPILOGUE_ALONE_MAXNREG
+    return dict(num_warps=cfg.alone_warps or EPILOGUE_ALONE_WARPS, num_stages=1,
+                **({"maxnreg": maxnreg} if maxnreg and not interpreting() else {}))
 
 
 def gluon_kernels_available() -> Optional[str]:

@@ -46,6 +46,8 @@ class FP8WgradConfig:
     num_stages: int = 4
     use_tma: bool = True
     engine: Optional[str] = None  # "auto", "gluon" or "triton"; None = WGRAD_ENGINE
+    maxnreg: Optional[int] = None  # Triton kernel: register cap (None: the compiler's choice)
+    ctas_per_sm: int = 1  # Gluon kernel: persistent programs per SM (0: one program per tile)
 
 
 def default_config(gluon: bool = False) -> FP8WgradConfig:
@@ -66,11 +68,11 @@ def _on_gluon(cfg: Optional[FP8WgradConfig], g: QuantizedRows, x: QuantizedRows)
     def usable() -> bool:
         from .wgmma_gemm import wgrad_usable
 
-        return g.data_t is not None and x.data_t is not None and wgrad_usable(g.data_t, x.data_t)
+        return g.data_t is not None and x.data_t is not None and wgrad_usable(g.data_t, x.data_t, x.scale_t)
 
     return fp8_gemm.on_gluon((cfg.engine if cfg is not None else None) or WGRAD_ENGINE, "engine", usable,
                              lambda: "the Gluon FP8 block wgrad needs an sm_90 GPU and the FP8 columnwise copies "
-                                     "(data_t) contiguous and 16-byte aligned")
+                                     "(data_t) contiguous and 16-byte aligned, x's FP32 scale_t with 16-byte aligned rows")
 
 
 @triton.jit
@@ -127,7 +129,7 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
         cfg = config or default_config(gluon=True)
         wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK, False)  # the shape checks
         return launch_wgrad(g, x, schedule, dw, block_n=cfg.block_n, block_k=cfg.block_k, group_n=cfg.group_n,
-                            num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+                            num_stages=cfg.num_stages, num_warps=cfg.num_warps, ctas_per_sm=cfg.ctas_per_sm)
     cfg = config or default_config()
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK,
@@ -137,6 +139,7 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
         schedule, n, k, num_experts + 1,
         USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=BLOCK, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}),
     )
 
 
