@@ -426,8 +426,8 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
                                                               engine="gluon", ctas_per_sm=1)),
             "wgrad_gluon_nonpersistent": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
                                                              engine="gluon", ctas_per_sm=0)),
-            # the plain GEMMs persistent (one program per SM)
-            "plain_gluon_persistent": dict(gemm_config=G(num_stages=4, ctas_per_sm=1)),
+            # the plain GEMMs one program per tile (persistent, one per SM, is the default)
+            "plain_gluon_per_tile": dict(gemm_config=G(num_stages=4, ctas_per_sm=0)),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),

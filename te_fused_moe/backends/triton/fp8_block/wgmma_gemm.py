@@ -10,8 +10,16 @@ is issued into a fresh register tile *before* block ``k-1``'s result is waited f
 the promotion FMAs run under the next wgmma: 920-990 TFLOP/s at DSv3 (run 16). Three register tiles
 per thread stay live (promoted accumulator, the tile being promoted, the tile in flight): 3 x 64
 FP32 at 128x128 over two warpgroups. ptxas serialises every wgmma if a non-wgmma instruction touches
-an in-flight tile (C7514/C7515), which small changes provoke; tests/test_fp8_block_wgmma.py checks
-the sm_90a build for it in CI.
+an in-flight tile (C7514/C7515), which small changes provoke (control flow in the K loop does, for
+the wgrad); tests/test_fp8_block_wgmma.py checks the sm_90a build for it in CI.
+
+Both kernels are persistent (``ctas_per_sm`` programs per SM walk the tiles ``program_id, + grid,
+...``; 0 = one program per tile) and share one pipeline: a ring of ``NUM_STAGES`` shared-memory
+stages filled by TMA through a load cursor (:func:`_load_next`) that runs ``NUM_STAGES`` K blocks
+ahead of the wgmmas *across* tiles, so the next tile's loads are in flight under this tile's last
+blocks and its store. That matters most for the wgrad, whose tiles have ~8 token blocks at DSv3.
+The wgrad's per-column scales come with each stage by TMA (read from shared memory at the
+promotion: a column vector in registers cost 32-64 of them and spilled).
 
 Plain GEMM, same contract as ``gemm.launch("fc2" | "dgrad")``: ``A`` [T, K] FP8 rowwise (1x128
 scales ``sa``), ``B`` [E, rows, K] FP8 K-major in 128x128 blocks (``sb``), the sync-free device

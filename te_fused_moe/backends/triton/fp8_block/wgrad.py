@@ -27,13 +27,14 @@ from . import gemm as fp8_gemm
 from .quantize import BLOCK, QuantizedRows
 
 
-# Which kernel runs the wgrads: "triton" (this module's, the default) or "gluon" (the kernel of
-# :mod:`.wgmma_gemm`: each token block's promotion under the next block's wgmma); "auto" = Gluon where
-# it can run. The Gluon wgrad is correct (bitwise equal to this one on the H200) but slower: at DSv3,
-# 559-573 TFLOP/s at its best tiles (64x128, one warpgroup, two CTAs per SM), 354-537 at others, vs
-# 652-680 here (runs 16c, 16e). An expert has ~8 token blocks, so each tile spends much of its time
-# filling its pipeline and storing dw, which this kernel's three CTAs per SM overlap better. A
-# persistent Gluon wgrad (the next tile's loads under this tile's store) would be the next step.
+# Which kernel runs the wgrads: "triton" (this module's, the default) or "gluon" (the persistent kernel
+# of :mod:`.wgmma_gemm`: each token block's promotion under the next block's wgmma, the next tile's
+# loads under this tile's end); "auto" = Gluon where it can run. The Gluon wgrad is correct (bitwise
+# equal to this one on the H200) but still slower: at DSv3 1.54 / 3.05 ms (w2 / w1) at its best
+# tiles vs 1.43 / 2.83 here (run 17d; it was 1.68 / 3.44 before it was persistent, run 16e). An
+# expert has ~8 token blocks, so each tile's fill and dw store weigh heavily; this kernel's three
+# CTAs per SM hide them about as well as the Gluon kernel's cursor does, and its promotion, though
+# not under the wgmma, is spread over three CTAs.
 WGRAD_ENGINE = "triton"
 
 
@@ -54,12 +55,13 @@ def default_config(gluon: bool = False) -> FP8WgradConfig:
     """Triton: 128x64 tiles at 4 warps (~165 registers, 72 KB of shared memory): three CTAs share an SM,
     so one CTA's FP32 promotion (an outer product of scales per token block) runs under another's
     wgmma. On the H200 at DSv3 shapes: 670-690 TFLOP/s vs ~500 with 128x128 tiles at 8 warps.
-    Gluon: the same tiles on one warpgroup at 255 registers (48 bytes of spills), two CTAs per SM: 559-573
-    TFLOP/s at DSv3 vs 354-375 for 128x64 at 8 warps (one CTA per SM) and 537 for 64x64 (run 16e)."""
+    Gluon: the same tiles on one warpgroup, two persistent CTAs per SM (no spills since the column
+    scales come by TMA): 1.54 / 3.05 ms at DSv3 vs 1.55 / 3.07 for 128x128 on two warpgroups, 1.90 /
+    3.80 for 64x64 at three CTAs per SM, 1.71 / 3.58 one program per tile (run 17d)."""
     if interpreting():
         return FP8WgradConfig(group_n=2, num_warps=4, num_stages=1)
     if gluon:
-        return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, ctas_per_sm=2)
     return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 

@@ -60,15 +60,14 @@ EXPAND_BLOCK_K = 128  # K step of the expand_bf16 loop: four scale blocks
 EXPAND_BF16_DEFAULT = True
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
-# How the dGLU runs: "fused" = one kernel (the default); "separate" = this module's plain GEMM writes
-# da in FP32 ([T, F], transient), then the same kernel with ``ACC_IN`` runs the dGLU + quantize
-# epilogue alone (same FP32 values through the same code, so the same bytes); "auto" = separate on
-# CUDA. Why it exists: at DSv3 on the H200 the fused dGLU took 2.84 ms against 1.63 ms for its GEMM
-# alone (run 16d), and the FP8 block recipe's dGLU gained 1.1 ms this way (``fp8_block.gemm``). Not
-# yet the default: it is exact under the interpreter and builds for sm_90a, but has not run on a GPU
-# (no device time was left in session 6). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM
-# alone leaves nothing for a separate epilogue to win.
-DACT_EPILOGUE = "fused"
+# How the dGLU runs: "fused" = one kernel; "separate" = this module's plain GEMM writes da in FP32
+# ([T, F], transient), then the same kernel with ``ACC_IN`` runs the dGLU + quantize epilogue alone
+# (same FP32 values through the same code, so the same bytes); "auto" (the default) = separate on
+# CUDA. At DSv3 on the H200 the fused dGLU takes 2.84 ms against 1.63 ms for its GEMM alone; separate,
+# 2.38-2.42 ms (runs 17d-e), and the MXFP8 MLP 20.99 ms vs 21.26 fused (1.14x its unfused path vs
+# 1.11x). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM alone leaves nothing for a separate
+# epilogue to win.
+DACT_EPILOGUE = "auto"
 
 
 @dataclass(frozen=True)
