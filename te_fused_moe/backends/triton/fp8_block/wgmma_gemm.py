@@ -198,6 +198,7 @@ def _operand_ring(a_desc, b_desc, cs_desc, src, KIND: gl.constexpr, GROUP: gl.co
 
 @gluon.jit
 def _release(ring, NUM_STAGES: gl.constexpr):
+    """Invalidates the ring's barriers at the end of the kernel (every load issued was consumed)."""
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ring[4].index(i))
 
@@ -233,6 +234,7 @@ def fp8_block_gemm_wgmma_kernel(
     k_tiles = K // BLOCK_K
     total = MAX_M_TILES * num_pid_n
     src = (sched_ptr, total, gl.num_programs(0), MAX_M_TILES, num_pid_n, NUM_GROUPS, B_ROWS, k_tiles)
+    # no per-column scales here (one scalar of B per block): a_desc stands in for their descriptor
     ring, cursor = _operand_ring(a_desc, b_desc, a_desc, src, KIND_PLAIN, GROUP_M, NUM_STAGES, False)
     used = 0  # K blocks consumed so far: the next one sits in stage used % NUM_STAGES
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
