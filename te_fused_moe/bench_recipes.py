@@ -408,8 +408,7 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
-            # the wgrads on the Gluon kernel (opt-in: slower, run 16c) at its default tiles and others
-            # the Gluon wgrad, persistent (ctas_per_sm programs per SM; 0: one per tile)
+            # the Gluon wgrad (opt-in: slower), persistent (ctas_per_sm programs per SM; 0: one per tile)
             "wgrad_gluon": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon",
                                                ctas_per_sm=2)),
             "wgrad_gluon_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,

@@ -47,6 +47,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def register_cap(maxnreg: Optional[int]) -> dict:
+    """Launch keywords capping a kernel's registers per thread at ``maxnreg`` (None: the compiler's
+    choice); none under the interpreter, which takes no such option."""
+    return {"maxnreg": maxnreg} if maxnreg and not interpreting() else {}
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     block_m: int = 128

@@ -44,7 +44,7 @@ import triton.language as tl
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands, operand_sources, quantized_copies,
                                    separate_epilogue, tma_allowed)
-from ..grouped_gemm import interpreting
+from ..grouped_gemm import interpreting, register_cap
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
 from .quantize import BLOCK, FLOAT32_MAX, FP8Spec, row_block
@@ -428,6 +428,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
 
 
 def _split(cfg: FP8GemmConfig, acc_in: bool) -> bool:
+    """Whether the FC1 / dGLU epilogue works in two 64-column halves (see ``split_epilogue``)."""
     return cfg.split_epilogue if cfg.split_epilogue is not None else not acc_in
 
 
@@ -435,9 +436,8 @@ def _launch_shape(cfg: FP8GemmConfig, acc_in: bool) -> dict:
     """Warps, stages and register cap of a launch: the epilogue alone has no K loop to pipeline."""
     if not acc_in:
         return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    maxnreg = cfg.alone_maxnreg or EPILOGUE_ALONE_MAXNREG
     return dict(num_warps=cfg.alone_warps or EPILOGUE_ALONE_WARPS, num_stages=1,
-                **({"maxnreg": maxnreg} if maxnreg and not interpreting() else {}))
+                **register_cap(cfg.alone_maxnreg or EPILOGUE_ALONE_MAXNREG))
 
 
 def gluon_kernels_available() -> Optional[str]:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..grouped_gemm import interpreting
+from ..grouped_gemm import interpreting, register_cap
 from ..schedule import max_m_tiles, tile_rows, total_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
 
@@ -223,7 +223,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         schedule, k, float(value_for_inf), num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
         num_warps=4 if interpreting() else (num_warps or QUANTIZE_WARPS),
-        **({} if interpreting() else {"maxnreg": maxnreg or QUANTIZE_MAXNREG}),
+        **register_cap(maxnreg or QUANTIZE_MAXNREG),
     )
     return out
 

@@ -55,7 +55,7 @@ def _swizzle(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     return first_m + (tile_id % pids_per_band) % band_m, (tile_id % pids_per_band) // band_m
 
 
-# What a tile of the persistent loop is (see :func:`_tile_loads`)
+# What a tile of the persistent loop is (see :func:`_resolved`)
 KIND_PLAIN = gl.constexpr(0)  # an M tile of the token rows x an N tile of B's rows
 KIND_WGRAD = gl.constexpr(1)  # an expert's N tile x K tile of dw (K loop over its token blocks)
 
@@ -84,26 +84,20 @@ def _wgrad_tile(tile, sched_ptr, tiles_n, tiles_k, NUM_GROUPS, GROUP_N: gl.const
 
 
 @gluon.jit
-def _tile_loads(tile, src, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr, KIND: gl.constexpr, GROUP: gl.constexpr):
-    """What tile ``tile``'s K loop loads: (row of A's tiles, row of B's tiles, first K block, end K
-    block); first == end: nothing (padding rows, empty experts, past the last M tile). ``src`` =
-    (schedule, tile count, tile step, A tiles, B tiles, NUM_GROUPS, B_ROWS, K blocks)."""
+def _resolved(tile, src, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr, KIND: gl.constexpr, GROUP: gl.constexpr):
+    """A cursor position at tile ``tile``'s first K block, read from the schedule: (tile, row of A's
+    tiles, row of B's tiles, first K block, end K block); first == end: the tile loads nothing
+    (padding rows, empty experts, past the last M tile). ``src`` = (schedule, tile count, tile step,
+    A tiles, B tiles, NUM_GROUPS, B_ROWS, K blocks)."""
     sched_ptr, NUM_GROUPS = src[0], src[5]
     if KIND == KIND_PLAIN:
         pid_m, pid_n, group, row0, row_end, num_tiles = _tile_of(tile, sched_ptr, src[3], src[4], NUM_GROUPS,
                                                                  BLOCK_A, GROUP)
         loads = (pid_m < num_tiles) & (group < NUM_GROUPS - 1)
-        return row0, group * src[6] + pid_n * BLOCK_B, 0, gl.where(loads, src[7], 0)
+        return tile, row0, group * src[6] + pid_n * BLOCK_B, 0, gl.where(loads, src[7], 0)
     else:
         expert, pid_n, pid_k, first, end = _wgrad_tile(tile, sched_ptr, src[3], src[4], NUM_GROUPS, GROUP)
-        return pid_n * BLOCK_A, pid_k * BLOCK_B, first, end
-
-
-@gluon.jit
-def _resolved(tile, src, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr, KIND: gl.constexpr, GROUP: gl.constexpr):
-    """A cursor position at tile ``tile``'s first K block: (tile, A row, B row, K block, end K block)."""
-    a_row, b_row, blk, end = _tile_loads(tile, src, BLOCK_A, BLOCK_B, KIND, GROUP)
-    return tile, a_row, b_row, blk, end
+        return tile, pid_n * BLOCK_A, pid_k * BLOCK_B, first, end
 
 
 @gluon.jit
@@ -150,7 +144,7 @@ def _resolve_after(cursor, src, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr, KI
     """Reads ``after``'s K blocks from the schedule if unresolved: in each tile's K loop, under its first
     wgmma (branch-free, the reads' latency hidden), so that the cursor can run into the next tile."""
     here, after, loaded = cursor
-    tile, a_row, b_row, blk, end = _resolved(after[0], src, BLOCK_A, BLOCK_B, KIND, GROUP)
+    _, a_row, b_row, blk, end = _resolved(after[0], src, BLOCK_A, BLOCK_B, KIND, GROUP)
     on = after[4] < 0
     after = (after[0], gl.where(on, a_row, after[1]), gl.where(on, b_row, after[2]), gl.where(on, blk, after[3]),
              gl.where(on, end, after[4]))

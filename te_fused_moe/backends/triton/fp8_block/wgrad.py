@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..act_math import to_output
 from ..block_scaled_launch import wgrad_operands
-from ..grouped_gemm import interpreting
+from ..grouped_gemm import interpreting, register_cap
 from ..schedule import swizzle
 from . import gemm as fp8_gemm
 from .quantize import BLOCK, QuantizedRows
@@ -141,7 +141,7 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
         schedule, n, k, num_experts + 1,
         USE_TMA=use_tma, UPCAST=interpreting(), BN=cfg.block_n, BK=cfg.block_k, BT=BLOCK, GROUP_N=cfg.group_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}),
+        **register_cap(cfg.maxnreg),
     )
 
 
