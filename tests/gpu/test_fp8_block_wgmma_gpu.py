@@ -246,3 +246,57 @@ def test_persistent_wgrad_exact_on_integer_data(monkeypatch, programs, tiles):
     bad = int((dw != ref.to(torch.bfloat16)).sum())
     print("PERSISTENT_WGRAD", programs, tiles, bad)
     assert bad == 0, (programs, tiles, bad)
+
+
+def _dglu(epilogue, dyq, w2q, h, probs, sched, E, F, spec, act):
+    """The dGLU launched as the fused path does, into poisoned buffers: (dh codes/scales, dprob, db1 parts)."""
+    from test_triton_fp8_block_interpreter import _poisoned
+
+    from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
+    from te_fused_moe.backends.triton.schedule import max_m_tiles
+
+    T = h.shape[0]
+    dhq = Q.new_rows(T, 2 * F, h, spec, E, True, True, alloc=lambda *a, **k: _poisoned(torch.empty(*a, **k)))
+    dprob = _poisoned(torch.empty(F // 128, T, device="cuda"))
+    dbias = _poisoned(torch.empty(max_m_tiles(T, E, 128), 2 * F, device="cuda"))
+    cfg = dataclasses.replace(gemm.default_config("dact"), epilogue=epilogue)
+    gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, q_up_offset=F, h=h,
+                h_up_offset=F, probs=probs, dprob=dprob, dbias=dbias, activation=act.name, gated=True,
+                alpha=act.alpha, limit=act.limit, config=cfg)
+    return dhq, dprob, dbias
+
+
+@pytest.mark.parametrize("activation,routing,fmt", [("swiglu", "zipf", "e4m3"), ("gpt_oss_swiglu", "empty", "e5m2"),
+                                                    ("geglu", "one", "e4m3")])
+def test_dglu_in_one_kernel_equals_gemm_plus_epilogue_alone(activation, routing, fmt):
+    """The dGLU as one Gluon kernel (wgmma_dglu.py) vs the Gluon GEMM + the Triton epilogue alone, random
+    data: the same FP32 accumulator through the same math, so dh's quantized bytes and scales (rowwise
+    and columnwise, poison included where nothing is written) are equal; dprob and db1's per-tile
+    sums equal up to the order of FP32 additions. Then: no host syncs after a warm-up."""
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.backends.triton.fp8_block import quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    T, H, F, E = 2000, 512, 256, 8
+    g = torch.Generator().manual_seed(11)
+    act = ActivationConfig(activation)
+    counts = make_counts(T, E, routing, generator=g, padding=9)
+    sched = build_schedule(counts.cuda(), T, 128)
+    spec = Q.FP8Spec.of(fmt, True)
+    dyq = Q.quantize_rows(torch.randn(T, H, generator=g).cuda().bfloat16(), sched, E, spec, rowwise=True)
+    w2q = Q.quantize_weight((torch.randn(E, H, F, generator=g) * 0.05).cuda().bfloat16(), Q.FP8Spec.of("e4m3", True))
+    h = (torch.randn(T, 2 * F, generator=g) * 2).cuda().bfloat16()
+    probs = (torch.rand(T, generator=g) + 0.1).cuda()
+    args = (dyq, w2q, h, probs, sched, E, F, spec, act)
+    ref_q, ref_dprob, ref_dbias = _dglu("separate", *args)
+    q, dprob, dbias = _dglu("gluon", *args)
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+    for name in ("data", "scale", "data_t", "scale_t"):
+        assert torch.equal(bits(getattr(q, name)), bits(getattr(ref_q, name))), name
+    assert torch.isfinite(dprob).all() and torch.allclose(dprob, ref_dprob, rtol=1e-5, atol=1e-5)
+    written = sched[2 * (E + 1) - 1].item()  # tile_end of the padding group: the tiles with db1 parts
+    assert torch.isfinite(dbias[:written]).all()
+    assert torch.allclose(dbias, ref_dbias, rtol=1e-5, atol=1e-4, equal_nan=True)
+    _dglu("gluon", *args)
+    with no_host_syncs():
+        _dglu("gluon", *args)
