@@ -252,9 +252,7 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16)
 VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
-                              "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
-                          "fp8_block_fused_dglu_separate": _fused_under("fp8_block", gemm=dict(DACT_EPILOGUE="separate")),
-                          "fp8_block_fused_dglu_gluon": _fused_under("fp8_block", gemm=dict(DACT_EPILOGUE="gluon"))},
+                              "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused"))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
@@ -351,17 +349,13 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
                                     else (read(w.data, w.scale), w.scale))
     w1_fwd, w2_fwd, w1_bwd, w2_bwd = weight(w1q, False), weight(w2q, False), weight(w1q, True), weight(w2q, True)
     x_rows, x_cols, dy_rows, dy_cols = rows(xq), cols(xq), rows(dyq), cols(dyq)
-    # the dGLU's "gluon" epilogue (one Gluon kernel) has no FC1 counterpart: FC1 keeps its default
-    fc1_config = epilogue_config
-    if fc1_config is not None and getattr(fc1_config, "epilogue", None) == "gluon":
-        fc1_config = dataclasses.replace(fc1_config, epilogue=None)
     launch("fc1", *x_rows, *w1_fwd, F, sched, E, spec, q=aq, h=h, h_up_offset=F, b_up_rows=F, **kw)
     kernels = {
         "quantize_x_row_col": (lambda: quantize(x), None, T * H * 4.0),
         "quantize_weights": (lambda: (k.quantize_weight(w1, spec), k.quantize_weight(w2, spec)), None,
                              (w1.numel() + w2.numel()) * 4.0),
         "fc1_glu_quant": (lambda: launch("fc1", *x_rows, *w1_fwd, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
-                                         b_up_rows=F, config=fc1_config, **kw), 2.0 * routed * H * n1, None),
+                                         b_up_rows=F, config=epilogue_config, **kw), 2.0 * routed * H * n1, None),
     }
     a_rows, a_cols = rows(aq), cols(aq)
     kernels.update({
@@ -436,9 +430,6 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),
-            # the dGLU as one Gluon kernel (wgmma_dglu.py), persistent (default) or one program per tile
-            "dglu_gluon": dict(epilogue_config=G(num_stages=3, epilogue="gluon")),
-            "dglu_gluon_per_tile": dict(epilogue_config=G(num_stages=3, epilogue="gluon", ctas_per_sm=0)),
             # quantize: register caps that let two CTAs share an SM (one's loads under the other's math)
             "quantize_w16_r255": dict(quantize_warps=16, quantize_maxnreg=255),  # the default before run 16
             "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),

@@ -30,11 +30,7 @@ def _signature(fn, types: dict, consts: dict):
     sig.update(types)
     sig.update({c: "constexpr" for c in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and isinstance(sig[n], str)
-             and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
-    # a tuple argument: its pointers, as a launch specialises them
-    attrs.update({(i, j): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                  if isinstance(sig[n], tuple) for j, t in enumerate(sig[n]) if t.startswith("*")})
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
     return sig, attrs
 
 

@@ -47,18 +47,6 @@ def sm90_build_report() -> dict:
                      dw_ptr="*bf16", sched_ptr="*i32")
         report[name] = build_gluon_sm90(W.fp8_block_wgrad_wgmma_kernel, types,
                                         dict(GROUP_N=8, NUM_STAGES=stages), num_warps=warps)
-    # the dGLU as one kernel (wgmma_dglu.py): E5M2 gradient, swiglu, every epilogue output
-    from te_fused_moe.backends.triton.fp8_block import wgmma_dglu as D
-
-    a_desc, b_desc = W.descriptors(torch.empty(1024, 2048, dtype=torch.float8_e5m2),
-                                   torch.empty(4, 1024, 2048, dtype=torch.float8_e4m3fn))
-    epi = ("*u8", "i32", "*fp32", "i32", "i32", "*u8", "i32", "*fp32", "i32", "i32", "*bf16", "i32", "i32",
-           "*fp32", "*fp32", "i32", "*fp32", "i32")  # launch_dglu's epilogue tuple
-    types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32", epi=epi,
-                 sched_ptr="*i32", alpha="fp32", limit="fp32", value_for_inf="fp32")
-    consts = dict(ACT=0, GATED=True, HAS_PROBS=True, WRITE_DPROB=True, WRITE_DBIAS=True, ROWWISE=True, COLWISE=True,
-                  MANT=2, EBIAS=15, FP8_MAX=57344.0, POW2=True, GROUP_M=8, NUM_STAGES=W.STAGES)
-    report["dglu"] = build_gluon_sm90(D.fp8_block_dglu_wgmma_kernel, types, consts, num_warps=W.NUM_WARPS)
     return report
 
 
@@ -68,16 +56,11 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
-    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128", "dglu"}
+    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128"}
     for name, r in report.items():
         # no spills, also at 255 registers (the wgrad's 64x128 on one warpgroup, 128x128 on two): its
-        # column scales are read from shared memory at the promotion, not held in registers. The dGLU
-        # kernel: a few words (its epilogue is a call, so that its registers do not crowd the K loop:
-        # inlined, the K loop spilled ~100 times)
-        if name == "dglu":
-            assert r["stack"] <= 64 and r["loop_spills"] <= 4, (name, r)
-        else:
-            assert r["stack"] == 0, (name, r)
+        # column scales are read from shared memory at the promotion, not held in registers
+        assert r["stack"] == 0, (name, r)
         assert r["qgmma"] == 16, (name, r)  # 4 per block x 4 issue sites
         assert r["qgmma_grouped"] == 12, (name, r)  # 3 of each block's 4 join the group the 4th commits
         assert r["wait_le1"] >= 3, (name, r)  # the loop's two waits and the tail's first
@@ -105,20 +88,6 @@ def test_engine_choice_and_errors():
         gemm._plain_on_gluon(dataclasses.replace(cfg, plain_engine="gluon"), a, b)
     with pytest.raises(ValueError, match=r"plain_engine: expected 'auto', 'gluon' or 'triton', got 'cutlass'"):
         gemm._plain_on_gluon(dataclasses.replace(cfg, plain_engine="cutlass"), a, b)
-
-
-def test_dglu_epilogue_choice_and_errors():
-    import dataclasses
-
-    from te_fused_moe.backends.triton.fp8_block import gemm
-
-    a, b = _operands()
-    cfg = gemm.default_config("dact")
-    assert not gemm._dglu_in_gluon(cfg, a, b)  # the default ("auto")
-    with pytest.raises(ValueError, match=r"plain_engine='gluon': the Gluon FP8 block GEMM needs an sm_90 GPU"):
-        gemm._dglu_in_gluon(dataclasses.replace(cfg, epilogue="gluon"), a, b)
-    with pytest.raises(ValueError, match=r"epilogue='gluon' \(one Gluon kernel\) is written for the dGLU only"):
-        gemm._separate_epilogue("fc1", dataclasses.replace(cfg, epilogue="gluon"), a, b)
 
 
 def test_usable_needs_fp8_tma_layouts():

@@ -267,8 +267,7 @@ def check_weight_cache(device: str) -> dict:
 
 def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, use_tma: bool = True,
                         split_epilogue: Optional[bool] = None, epilogue: str = "auto") -> dict:
-    """``epilogue``: FC1's and the dGLU's (``FP8GemmConfig.epilogue``; "gluon": the dGLU's, FC1 "auto").
-    Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives a power-of-2 scale with
+    """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives a power-of-2 scale with
     3*scale representable), GEMM sums are small integers (exact in any order, also in the FP8 wgmma's
     reduced-precision accumulator), so every kernel output has one right answer. ``srelu`` keeps the
     epilogue math to multiplies that PyTorch reproduces bit for bit."""
@@ -302,7 +301,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     p = d(probs, torch.float32)
     import dataclasses
 
-    fc1_cfg = dataclasses.replace(gemm.default_config("fc1"), epilogue="auto" if epilogue == "gluon" else epilogue)
+    fc1_cfg = dataclasses.replace(gemm.default_config("fc1"), epilogue=epilogue)
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
                 b_up_rows=F, probs=p, activation=activation, gated=act.gated, alpha=act.alpha, limit=act.limit,
                 config=fc1_cfg)
@@ -411,10 +410,8 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
-    # FC1 / dGLU as one kernel each, or as the plain GEMM + the epilogue alone ("auto": the latter on sm_90);
-    # "gluon": the dGLU as one Gluon kernel (FC1 "auto")
-    gemm.FC1_EPILOGUE = "auto" if epilogues == "gluon" else epilogues
-    gemm.DACT_EPILOGUE = epilogues
+    # FC1 / dGLU as one kernel each, or as the plain GEMM + the epilogue alone ("auto": the latter on sm_90)
+    gemm.FC1_EPILOGUE = gemm.DACT_EPILOGUE = epilogues
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
     finally:

@@ -53,14 +53,11 @@ def test_weight_cache_on_gpu():
 
 @pytest.mark.parametrize("tma,seed,split,epilogue", [(True, 0, None, "auto"), (True, 1, None, "auto"),
                                                       (False, 0, None, "auto"), (True, 2, True, "auto"),
-                                                      (True, 3, None, "fused"), (True, 4, False, "fused"),
-                                                      (True, 5, None, "separate"), (True, 6, None, "gluon")],
-                         ids=["tma-empty", "tma", "ptr-empty", "split-alone", "fused", "fused-unsplit", "separate",
-                              "dglu-gluon"])
+                                                      (True, 3, None, "fused"), (True, 4, False, "fused")],
+                         ids=["tma-empty", "tma", "ptr-empty", "split-alone", "fused", "fused-unsplit"])
 def test_every_kernel_exact_on_integer_data_gpu(tma, seed, split, epilogue):
     """On sm_90 "auto" runs FC1 and the dGLU as the Gluon GEMM + the epilogue alone (whole by default,
-    ``split``: in halves); "fused" as one kernel each (in halves by default); "gluon" the dGLU as one
-    Gluon kernel (wgmma_dglu.py)."""
+    ``split``: in halves); "fused" as one kernel each (in halves by default)."""
     bad = checks.check_kernels_exact("cuda", seed=seed, use_tma=tma, split_epilogue=split, epilogue=epilogue)
     print("FP8_EXACT", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
@@ -92,15 +89,6 @@ def test_mlp_with_one_kernel_epilogues_gpu():
     res = checks.run_mlp_case(case, "cuda", poison=True, triton_context=no_host_syncs, epilogues="fused")
     print("FP8_MLP_FUSED_EPILOGUES", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
     assert_within(case[0], res, GPU_BOUND, GPU_FP64_BOUND)
-
-
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[1], GPU_CASES[3]], ids=lambda c: c[0])
-def test_mlp_with_the_dglu_in_one_gluon_kernel_gpu(case):
-    """The dGLU as one Gluon kernel (``DACT_EPILOGUE = "gluon"``), under sync-debug "error"."""
-    res = checks.run_mlp_case(case, "cuda", poison=True, triton_context=no_host_syncs, epilogues="gluon")
-    print("FP8_MLP_DGLU_GLUON", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
-    bound, fp64_bound = (GPU_BOUND, GPU_FP64_BOUND) if case[10] else (HBF16_BOUND, HBF16_BOUND)
-    assert_within(case[0], res, bound, fp64_bound)
 
 
 def test_cuda_graph_replay_with_changing_routing_fp8():

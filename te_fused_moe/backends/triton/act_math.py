@@ -56,7 +56,7 @@ def act_backward(g, u, da, alpha, limit, ACT: tl.constexpr):
     """(d gate, d up, activation value) given the gradient ``da`` of the activation's output.
 
     For non-gated activations ``d up`` is unused (returned as zeros of the same shape)."""
-    zero = tl.where(g == g, 0.0, 0.0)  # not zeros_like: Gluon kernels call this too, and their full() needs a layout
+    zero = tl.zeros_like(g)
     if ACT == 0:
         act, dact = _silu_and_grad(g)
         value = act * u

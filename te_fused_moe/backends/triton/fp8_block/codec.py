@@ -32,13 +32,12 @@ def block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr, value_for_inf):
     stored dequantization scale (its reciprocal). ``amax`` is NaN-free and >= 0."""
     degenerate = (amax == 0.0) | (amax == float("inf"))
     safe = tl.where(degenerate, 1.0, amax)
-    # constants shaped like amax by where(), not full(): Gluon kernels call this too (their full() needs a layout)
-    scale = tl.math.div_rn(tl.where(degenerate, FP8_MAX, FP8_MAX), safe)
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe)
     scale = tl.where(scale == float("inf"), value_for_inf, scale)
     scale = tl.where(degenerate, 1.0, scale)
     if POW2:  # clear the mantissa: round the scale down to a power of two
         scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
-    inv = tl.math.div_rn(tl.where(degenerate, 1.0, 1.0), scale)
+    inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     return scale, inv
 
 

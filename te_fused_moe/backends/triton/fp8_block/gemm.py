@@ -31,7 +31,6 @@ products of FP8 values are exact in FP32, so this changes nothing but the summat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import re
@@ -83,8 +82,7 @@ class FP8GemmConfig:
     # kernels, whole in the epilogue alone (at 16 warps: FC1 -0.18 ms, dGLU -0.12 ms at DSv3, run 17)
     split_epilogue: Optional[bool] = None
     plain_engine: Optional[str] = None  # FC2 / FC1 dgrad: "auto", "gluon" or "triton"; None = PLAIN_ENGINE
-    # FC1 / dGLU: "auto", "separate", "fused" or (dGLU) "gluon"; None = FC1_ / DACT_EPILOGUE
-    epilogue: Optional[str] = None
+    epilogue: Optional[str] = None  # FC1 / dGLU: "auto", "separate" or "fused"; None = FC1_ / DACT_EPILOGUE
     alone_warps: Optional[int] = None  # the epilogue alone: warps, register cap; None = EPILOGUE_ALONE_*
     alone_maxnreg: Optional[int] = None
     # the Gluon plain GEMM: persistent programs per SM (0: one program per tile). One per SM: FC2 1.10
@@ -404,12 +402,6 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
 
         return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
                             num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm)
-    if kind == "dact" and _dglu_in_gluon(cfg, a, b):
-        from .wgmma_dglu import launch_dglu
-
-        return launch_dglu(a, a_scale, b, b_scale, n, schedule, num_experts, spec, q=q, q_up_offset=q_up_offset, h=h,
-                           h_up_offset=h_up_offset, probs=probs, dprob=dprob, dbias=dbias, activation=activation,
-                           alpha=alpha, limit=limit, gated=gated, group_m=cfg.group_m, ctas_per_sm=cfg.ctas_per_sm)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
     if acc_in:
         # the GEMM alone (all of B's rows: FC1's gate and up halves) into FP32 with the fastest plain
@@ -516,18 +508,7 @@ def _plain_on_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> boo
                              f"(got {a.dtype} on {a.device}, b {b.dtype}, contiguous={b.is_contiguous()})"))
 
 
-def _dglu_in_gluon(cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the dGLU runs as one Gluon kernel (``DACT_EPILOGUE`` / ``epilogue`` "gluon"), or an error
-    saying why it cannot here."""
-    if (cfg.epilogue or DACT_EPILOGUE) != "gluon":
-        return False
-    return _plain_on_gluon(dataclasses.replace(cfg, plain_engine="gluon"), a, b)
-
-
 def _separate_epilogue(kind: str, cfg: FP8GemmConfig, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether FC1 / the dGLU run as the plain GEMM + the epilogue alone (see ``FC1_EPILOGUE``)."""
-    how = cfg.epilogue or (FC1_EPILOGUE if kind == "fc1" else DACT_EPILOGUE)
-    if how == "gluon":
-        raise ValueError("epilogue='gluon' (one Gluon kernel) is written for the dGLU only; FC1 takes 'auto', "
-                         "'separate' or 'fused'")
-    return separate_epilogue(how, lambda: _plain_on_gluon(default_config("fc2"), a, b))
+    return separate_epilogue(cfg.epilogue or (FC1_EPILOGUE if kind == "fc1" else DACT_EPILOGUE),
+                             lambda: _plain_on_gluon(default_config("fc2"), a, b))
