@@ -115,6 +115,17 @@ def _edge_values(fmt) -> torch.Tensor:
     return torch.cat([out, -out, specials])
 
 
+def _scale_edges(fp8_max: float) -> torch.Tensor:
+    """amax values where a power-of-two scale changes: mantissas around FP8_MAX's, at exponents where
+    fp8_max / amax overflows or nearly does, subnormals, the largest finite value."""
+    max_mant = torch.tensor([fp8_max], dtype=torch.float32).view(torch.int32).item() & 0x7FFFFF
+    mants = torch.tensor([0, 1, max_mant - 1, max_mant, max_mant + 1, 0x7FFFFF], dtype=torch.int32)
+    exps = torch.tensor([1, 2, 6, 7, 8, 9, 10, 14, 15, 16, 17, 126, 127, 128, 200, 253, 254], dtype=torch.int32)
+    bits = ((exps[:, None] << 23) | mants[None, :]).flatten()
+    subnormal = torch.tensor([1, 2, 0x400000, 0x7FFFFF], dtype=torch.int32)
+    return torch.cat([bits, subnormal]).view(torch.float32)
+
+
 def check_codec(device: str, seed: int = 0) -> dict:
     """Mismatching codes / scales of the kernels' codec vs the reference quantizer's functions."""
     from te_fused_moe.backends.triton.fp8_block.quantize import FLOAT32_MAX, FP8Spec
@@ -128,18 +139,20 @@ def check_codec(device: str, seed: int = 0) -> dict:
         rand_bits = torch.randint(-2**31, 2**31 - 1, (50000,), generator=g, dtype=torch.int64).to(torch.int32)
         rand = rand_bits.view(torch.float32)
         v = torch.cat([_edge_values(fmt), rand, torch.randn(20000, generator=g) * fmt.max_value / 4]).contiguous()
-        amax = v.abs().nan_to_num(0.0).contiguous()
-        for pow2 in (True, False):
+        amax = torch.cat([v.abs().nan_to_num(0.0), _scale_edges(fmt.max_value)])
+        v = torch.cat([v, _scale_edges(fmt.max_value)]).contiguous()  # the same count of codes as amax
+        # value_for_inf: FP32's largest (the expert path), FP16's (a power-of-two scale then rounds it down)
+        for pow2, value_for_inf in ((True, FLOAT32_MAX), (False, FLOAT32_MAX), (True, 65504.0), (False, 65504.0)):
             spec = FP8Spec.of(name, pow2)
             n = v.numel()
             codes = torch.empty(n, dtype=torch.uint8, device=device)
             scale = torch.empty(n, dtype=torch.float32, device=device)
             inv = torch.empty(n, dtype=torch.float32, device=device)
-            _codec_kernel()[(math.ceil(n / 1024),)](v.to(device), codes, amax.to(device), scale, inv, n, FLOAT32_MAX,
+            _codec_kernel()[(math.ceil(n / 1024),)](v.to(device), codes, amax.to(device), scale, inv, n, value_for_inf,
                                                     **spec.constexprs(), BLOCK=1024)
             ref_codes = formats.encode(v, fmt)
-            ref_scale = compute_scale(amax, fmt.max_value, pow2, FLOAT32_MAX)
-            out[f"{name}-pow2={pow2}"] = {
+            ref_scale = compute_scale(amax, fmt.max_value, pow2, value_for_inf)
+            out[f"{name}-pow2={pow2}-inf={value_for_inf:g}"] = {
                 "codes": int((codes.cpu() != ref_codes).sum()),
                 "scale": int((scale.cpu().view(torch.int32) != ref_scale.view(torch.int32)).sum()),
                 "inv": int((inv.cpu().view(torch.int32) != (1.0 / ref_scale).view(torch.int32)).sum()),
@@ -480,6 +493,7 @@ def results():
 
 
 def test_codec_is_bit_exact(results):
+    assert len(results["codec"]) == 8  # two formats x pow2 or not x two value_for_inf
     for key, bad in results["codec"].items():
         assert bad["n"] > 70000
         assert bad["codes"] == 0 and bad["scale"] == 0 and bad["inv"] == 0, (key, bad)

@@ -31,13 +31,40 @@ def block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr, value_for_inf):
     """Quantization multiplier ``fp8_max / amax`` (TE's ``compute_scale_from_amax``) and the
     stored dequantization scale (its reciprocal). ``amax`` is NaN-free and >= 0."""
     degenerate = (amax == 0.0) | (amax == float("inf"))
+    if POW2:
+        return _pow2_block_scale(amax, degenerate, FP8_MAX, value_for_inf)
     safe = tl.where(degenerate, 1.0, amax)
     scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe)
     scale = tl.where(scale == float("inf"), value_for_inf, scale)
     scale = tl.where(degenerate, 1.0, scale)
-    if POW2:  # clear the mantissa: round the scale down to a power of two
-        scale = (scale.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True)
     inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+    return scale, inv
+
+
+@triton.jit
+def _pow2_block_scale(amax, degenerate, FP8_MAX: tl.constexpr, value_for_inf):
+    """:func:`block_scale` with power-of-two scales (the recipe's default), from exponent bits instead of
+    two IEEE divisions, each a reciprocal, FMAs and a checked slow path, run on every thread's copy of
+    the amax vector: a fifth of the quantize pass's instructions (2880 -> 2232 in its sm_90a build),
+    which bound it (run 18 ncu: 0.48 issues per cycle, math-pipe throttled). On the H200 at DSv3:
+    quantize 0.577 -> 0.536 ms, dGLU 1.75 -> 1.59 ms, the weight quantizer 3.73 -> 2.52 ms (run 18d).
+    The same result, bit for bit (tests/test_triton_fp8_block_interpreter.py checks edge and random
+    amax values and two ``value_for_inf`` against the reference):
+
+    with ``amax = m 2^e`` and ``FP8_MAX = M 2^E`` (``m``, ``M`` in [1, 2)), ``RN(FP8_MAX / amax)``
+    lies in [2^k, 2^(k+1)) for ``k = E - e - (m > M)``: ``M / m`` is in [1, 2) for ``m <= M``, and for
+    ``m > M`` it is at most ``1 - 2^-23 / M < 1 - 2^-25``, so rounding never reaches 1. The quotient
+    overflows to inf (scale: ``value_for_inf`` rounded down) for ``k > 127`` and for subnormal
+    ``amax``; it is never subnormal (``amax <= FLT_MAX``). ``1 / 2^k`` is exact: subnormal for k = 127."""
+    bits = amax.to(tl.uint32, bitcast=True)
+    exp = (bits >> 23).to(tl.int32)
+    max_bits = tl.full([], FP8_MAX, tl.float32).to(tl.uint32, bitcast=True)
+    k = (max_bits >> 23).to(tl.int32) - exp - ((bits & 0x7FFFFF) > (max_bits & 0x7FFFFF)).to(tl.int32)
+    k_inf = (tl.full([], value_for_inf, tl.float32).to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127
+    k = tl.where((k > 127) | (exp == 0), k_inf, k)
+    k = tl.where(degenerate, 0, k)
+    scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    inv = tl.where(k <= 126, (127 - k) << 23, 1 << (149 - k)).to(tl.float32, bitcast=True)
     return scale, inv
 
 
