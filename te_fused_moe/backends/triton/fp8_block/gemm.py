@@ -136,7 +136,8 @@ def _store_colwise(v, row_ok, col0, tile, qt_ptr, stride_qtn, qts_ptr, stride_qt
     mask = row_ok[:, None]
     amax_c = tl.max(tl.where(mask, nan_free_abs(v), 0.0), axis=0)
     scale_c, inv_c = block_scale(amax_c, FP8_MAX, POW2, value_for_inf)
-    codes_c = tl.where(mask, encode_fp8(v * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0).to(tl.uint8)
+    # zeros past the group's end: selected in FP32 (code 0x00), one select per value, not per unpacked byte
+    codes_c = encode_fp8(tl.where(mask, v * scale_c[None, :], 0.0), MANT, EBIAS, FP8_MAX)
     slot_ptrs = row_block(qt_ptr, col0.to(tl.int64), stride_qtn, tile * 128, WIDTH)
     tl.store(slot_ptrs + tl.arange(0, 128)[None, :], tl.trans(codes_c))
     tl.store(qts_ptr + tile * stride_qtst + col0 + tl.arange(0, WIDTH), inv_c)

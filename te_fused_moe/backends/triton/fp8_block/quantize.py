@@ -152,7 +152,8 @@ def quantize_tiles_kernel(
         tl.store(qs_ptr + row0 * stride_qsm + pid_k * stride_qsk + tl.arange(0, BM) * stride_qsm, inv, mask=row_ok)
     if COLWISE:
         scale_c, inv_c = block_scale(tl.max(nan_free_abs(x), axis=0), FP8_MAX, POW2, value_for_inf)
-        codes_c = tl.where(row_ok[:, None], encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX), 0).to(tl.uint8)
+        # rows past the group's end were loaded as 0.0: their codes are 0x00 already
+        codes_c = encode_fp8(x * scale_c[None, :], MANT, EBIAS, FP8_MAX)
         # the tile's own 128 columns of data_t; zeros past the group's end
         slot_ptrs = row_block(qt_ptr, col0.to(tl.int64), stride_qtk, pid_m * BM, BK) + tl.arange(0, BM)[None, :]
         tl.store(slot_ptrs, tl.trans(codes_c), mask=col_ok[:, None])
