@@ -61,7 +61,8 @@ def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int) -> dict:
 
 
 def analyze(k) -> dict:
-    """A compiled kernel's stack (spill) bytes, its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma
+    """A compiled kernel's stack (spill) bytes, its SASS instruction count, its IEEE division slow-path
+    checks (``fchk``) and FP32 -> FP8x2 conversions (``f2fp``), its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma
     counts, how many FP8 wgmmas share a commit group with the next one (``qgmma_grouped``: 0 when
     ptxas serialised them) and the waits that leave one group in flight (``wait_le1``), its dynamic
     shared memory bytes and, when it has wgmma, whether its K loop was found and the spill
@@ -77,6 +78,8 @@ def analyze(k) -> dict:
     out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
            "hgmma": sum("HGMMA" in l for l in sass), "shared": k.metadata.shared,
            "qgmma_grouped": sum("QGMMA" in l and "gsb0" not in l for l in sass),
+           "instructions": sum(bool(re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?[A-Z]", l)) for l in sass),
+           "fchk": sum("FCHK" in l for l in sass), "f2fp": sum("F2FP" in l for l in sass),
            "wait_le1": sum("WARPGROUP.DEPBAR.LE gsb0, 0x1" in l for l in sass)}
     # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
     mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]

@@ -580,3 +580,48 @@ def test_supports_names_the_recipe_subset():
         assert not verdict and "implements Float8BlockScaling with fp8_format=E4M3 or HYBRID" in verdict.reason, verdict
     assert backend.supports(act, as_recipe("mxfp8"), torch.bfloat16)  # tests/test_triton_mxfp8_interpreter.py
     assert backend.supports(act, as_recipe("nvfp4"), torch.bfloat16)  # tests/test_triton_nvfp4_interpreter.py
+
+
+# --- 6. offline sm_90a builds ------------------------------------------------------------------------
+
+def sm90_build_report() -> dict:
+    """Offline sm_90a builds (tests/sm90_build.py) of the quantize pass and the FC1 / dGLU epilogues alone
+    as the fused path launches them (power-of-two scales, E4M3; swiglu)."""
+    from sm90_build import build_sm90
+
+    from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
+
+    report = {"quantize": build_sm90(
+        Q.quantize_tiles_kernel,
+        {"x_ptr": "*bf16", "q_ptr": "*u8", "qs_ptr": "*fp32", "qt_ptr": "*u8", "qts_ptr": "*fp32", "colsum_ptr": "*fp32",
+         "sched_ptr": "*i32", "value_for_inf": "fp32"},
+        dict(ROWWISE=True, COLWISE=True, COLSUM=False, **Q.FP8Spec.of("e4m3", True).constexprs(), BM=128, BK=128),
+        num_warps=Q.QUANTIZE_WARPS)}
+    types = {"a_src": "*fp8e4nv", "b_src": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*fp32",
+             "q_ptr": "*u8", "qs_ptr": "*fp32", "qt_ptr": "*u8", "qts_ptr": "*fp32", "h_ptr": "*bf16", "bias_ptr": "*bf16",
+             "probs_ptr": "*fp32", "dprob_ptr": "*fp32", "dbias_ptr": "*fp32", "sched_ptr": "*i32", "alpha": "fp32",
+             "limit": "fp32", "value_for_inf": "fp32"}
+    for name, mode in (("fc1_alone", 1), ("dglu_alone", 2)):
+        consts = dict(MODE=mode, ACT=0, GATED=True, HAS_BIAS=False, HAS_PROBS=True, WRITE_DPROB=mode == 2,
+                      WRITE_DBIAS=False, ROWWISE=True, COLWISE=True, USE_TMA=False, UPCAST=False, ACC_IN=True,
+                      SPLIT_EPILOGUE=False, **Q.FP8Spec.of("e4m3", True).constexprs(), BM=128, BN=128, BK=128,
+                      GROUP_M=8)
+        report[name] = build_sm90(gemm.fp8_grouped_gemm_kernel, types, consts, num_warps=gemm.EPILOGUE_ALONE_WARPS,
+                                  num_stages=1)
+    return report
+
+
+def test_quantize_and_epilogues_build_lean_for_sm90a():
+    """These kernels are bound by their instructions (run 18 ncu), so CI guards their count: power-of-two
+    scales without IEEE division (no FCHK slow-path checks), one cvt per two codes (two copies of 64
+    values per thread in the quantize pass), and the quantize pass within 2000 instructions (1720 when
+    written; 2880 with divisions and per-byte NaN selects)."""
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
+
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
+    report = report_in_subprocess("test_triton_fp8_block_interpreter")
+    q = report["quantize"]
+    assert q["fchk"] == 0 and q["f2fp"] == 64 and q["instructions"] <= 2000 and q["stack"] <= 16, q
+    for name in ("fc1_alone", "dglu_alone"):
+        assert report[name]["fchk"] == 0 and report[name]["stack"] <= 128, (name, report[name])
