@@ -26,8 +26,13 @@ NATIVE_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 @triton.jit
 def nan_free_abs(v):
-    """|v| with NaN read as 0 (CUDA ``fmaxf`` amax semantics: NaN never wins a max)."""
+    """|v| with NaN read as 0 (CUDA ``fmaxf`` amax semantics: NaN never wins a max). On the GPU one
+    ``max.f32`` (NaN-ignoring, the |.| folded in) instead of a compare and a select (H200 DSv3, run
+    18i: quantize 0.418 -> 0.389 ms); the CPU interpreter's maximum propagates NaN, so there the
+    select stays."""
     a = tl.abs(v)
+    if NATIVE_CVT:
+        return tl.maximum(a, 0.0)
     return tl.where(a == a, a, 0.0)
 
 
