@@ -615,7 +615,7 @@ def test_quantize_and_epilogues_build_lean_for_sm90a():
     """These kernels are bound by their instructions (run 18 ncu), so CI guards their count: power-of-two
     scales without IEEE division (no FCHK slow-path checks), one cvt per two codes (two copies of 64
     values per thread in the quantize pass), and the quantize pass within 2000 instructions (1720 when
-    written; 2880 with divisions and per-byte NaN selects)."""
+    written, 1672 with nan_free_abs as one max; 2880 with divisions and per-byte NaN selects)."""
     from sm90_build import have_tools, report_in_subprocess, tools_dir
 
     if not have_tools():
