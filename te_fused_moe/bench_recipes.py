@@ -294,6 +294,30 @@ def fp8_ceiling_tflops() -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
+def median_of_rounds(rounds: List[Dict]) -> Dict:
+    """One implementation's timings over interleaved rounds: the median of each timing field (``*_ms``;
+    the TFLOP/s and fraction of peak recomputed from it), the other fields from the first round, and
+    every round's ``fwd_bwd_ms``; an error in any round is the result."""
+    import statistics
+
+    for r in rounds:
+        if "error" in r:
+            return r
+    if len(rounds) == 1:
+        return rounds[0]
+    out = dict(rounds[0])
+    for key in rounds[0]:
+        if key.endswith("_ms"):
+            out[key] = statistics.median(r[key] for r in rounds)
+            rate = key[:-3] + "_tflops"
+            if rate in out and rounds[0][key]:
+                out[rate] = rounds[0][rate] * rounds[0][key] / out[key]  # the same flops over the median time
+    if "fwd_bwd_of_peak" in out and rounds[0]["fwd_bwd_ms"]:
+        out["fwd_bwd_of_peak"] = rounds[0]["fwd_bwd_of_peak"] * rounds[0]["fwd_bwd_ms"] / out["fwd_bwd_ms"]
+    out["fwd_bwd_ms_rounds"] = [r.get("fwd_bwd_ms") for r in rounds]
+    return out
+
+
 def bench_impl(name: str, shape: bench.Shape, inputs, peak: float, fn) -> Dict:
     try:
         with getattr(fn, "context", contextlib.nullcontext)():
@@ -517,7 +541,12 @@ def weight_cache_report(inputs, recipes=tuple(RECIPES)) -> Dict[str, Dict]:
 
 
 def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = True,
-        budget_s: float = 150.0, recipes=tuple(RECIPES), with_scaled_grouped_mm: bool = False) -> Dict:
+        budget_s: float = 150.0, recipes=tuple(RECIPES), with_scaled_grouped_mm: bool = False,
+        rounds: int = 1) -> Dict:
+    """``rounds`` > 1: every implementation is timed once per round, the rounds one after the other
+    (A B C, A B C, ...), and each timing is the median over the rounds, so that a drift of the GPU's
+    clocks over the run weighs on all implementations alike (the BF16 baseline moved 14.1-15.6 ms
+    between runs 16-18 while our kernels did not)."""
     import triton
 
     start = time.time()
@@ -548,11 +577,16 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         inputs = bench.make_inputs(shape)
         entry = {"shape": dataclasses.asdict(shape), "counts": inputs["counts"].tolist()}
         ys = {}
-        for impl, fn in implementations.items():
-            entry[impl] = bench_impl(impl, shape, inputs, peak, fn)
-            if "_y" in entry[impl]:
-                ys[impl] = entry[impl].pop("_y")
-            torch.cuda.empty_cache()
+        timed = {impl: [] for impl in implementations}
+        for _ in range(max(1, rounds)):
+            for impl, fn in implementations.items():
+                result = bench_impl(impl, shape, inputs, peak, fn)
+                if "_y" in result:
+                    ys[impl] = result.pop("_y")
+                timed[impl].append(result)
+                torch.cuda.empty_cache()
+        for impl in implementations:
+            entry[impl] = median_of_rounds(timed[impl])
         routed = int(inputs["counts"].sum())
         base = entry["bf16_unfused"]
         entry["ratio_vs_bf16_unfused"] = {
@@ -654,6 +688,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="instead: time that recipe's kernels under a few block configs (first shape only)")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help=f"comma-separated from {sorted(RECIPES)}: which recipes' implementations to time")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every implementation this many times, interleaved, and keep the medians")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="start no new shape (nor the kernel timings) after this many seconds")
     parser.add_argument("--with-scaled-grouped-mm", action="store_true",
@@ -677,6 +713,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if set(chosen) - set(RECIPES):
         parser.error(f"--recipes: unknown {sorted(set(chosen) - set(RECIPES))}; expected names from {sorted(RECIPES)}")
     report = run(names, out_dir=args.out, kernels=not args.no_kernels, budget_s=args.budget_s, recipes=chosen,
+                 rounds=args.rounds,
                  with_scaled_grouped_mm=args.with_scaled_grouped_mm)
     print(summary_table(report))
     return 0
