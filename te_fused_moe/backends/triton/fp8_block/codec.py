@@ -57,7 +57,7 @@ def _pow2_block_scale(amax, degenerate, FP8_MAX: tl.constexpr, value_for_inf):
     two IEEE divisions, each a reciprocal, FMAs and a checked slow path, run on every thread's copy of
     the amax vector: a fifth of the quantize pass's instructions (2880 -> 2232 in its sm_90a build),
     which bound it (run 18 ncu: 0.48 issues per cycle, math-pipe throttled). On the H200 at DSv3:
-    quantize 0.577 -> 0.536 ms, dGLU 1.75 -> 1.59 ms, the weight quantizer 3.73 -> 2.52 ms (run 18d).
+    quantize 0.577 -> 0.536 ms, dGLU 1.75 -> 1.59 ms, the weight quantizer 3.73 -> 2.52 ms (run 18f).
     The same result, bit for bit (tests/test_triton_fp8_block_interpreter.py checks edge and random
     amax values and two ``value_for_inf`` against the reference):
 
@@ -97,7 +97,7 @@ def _cvt_x4(fmt: str) -> str:
     ones are the NaNs (E4M3's 0x7E is 448; E5M2's cvt gives 0x7F for NaN, never 0x7D-0x7E), so bit 7 of
     ``((w & 0x7F..) + 0x01..) & 0x80..`` marks them: four integer ops per four codes, where a select
     per code after unpacking cost ~10 instructions per four (the quantize pass's sm_90a build: 2232 ->
-    1720 instructions with the column codes' row mask moved before the cvt; H200 DSv3, run 18e:
+    1720 instructions with the column codes' row mask moved before the cvt; H200 DSv3, run 18g:
     0.536 -> 0.418 ms)."""
     return ("{ .reg .b16 lo, hi; .reg .b32 w, t;\n"
             f"cvt.rn.satfinite.{fmt}x2.f32 lo, $2, $1;\n"
