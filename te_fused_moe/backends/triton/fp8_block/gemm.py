@@ -45,6 +45,7 @@ from ..act_math import ACT_IDS, act_backward, act_forward, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands, operand_sources, quantized_copies,
                                    separate_epilogue, tma_allowed)
 from ..grouped_gemm import interpreting, register_cap
+from ..operand_tiles import k_block, operand_tiles
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
 from .quantize import BLOCK, FLOAT32_MAX, FP8Spec, row_block
@@ -216,7 +217,6 @@ def fp8_grouped_gemm_kernel(
     row_ok = rows < row_end
     rows_in = tl.minimum(rows, T - 1).to(tl.int64)  # scale loads (and pointer loads) stay in the tensor
     cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
-    offs_k = tl.arange(0, BK)
     b_row = expert * B_ROWS + pid_n * BN
     e64 = expert.to(tl.int64)
     if BN <= 128:
@@ -226,9 +226,7 @@ def fp8_grouped_gemm_kernel(
         sb_ptrs = bs_ptr + e64 * stride_bse + ((pid_n * BN) // 128) * stride_bsn
     else:
         sb_ptrs = bs_ptr + e64 * stride_bse + (cols_in // 128) * stride_bsn
-    if not USE_TMA:
-        a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    a_tiles, b_tiles = operand_tiles(a_src, b_src, rows_in, cols_in, e64, stride_am, stride_be, stride_bn, BK, USE_TMA)
     if GATED and MODE == 1:
         sb_up_ptrs = sb_ptrs + (b_up_rows // 128) * stride_bsn
 
@@ -245,12 +243,8 @@ def fp8_grouped_gemm_kernel(
         k_tiles = tl.where(is_padding, 0, K // BK)
         for kt in range(0, k_tiles):
             k0 = kt * BK
-            if USE_TMA:
-                a = a_src.load([a_row, k0])
-                b = b_src.load([b_row, k0])
-            else:
-                a = tl.load(a_ptrs + k0)
-                b = tl.load(b_ptrs + k0)
+            a = k_block(a_tiles, a_row, k0, USE_TMA)
+            b = k_block(b_tiles, b_row, k0, USE_TMA)
             sa = tl.load(as_ptr + rows_in * stride_asm + kt * stride_ask)
             sb = tl.load(sb_ptrs + kt * stride_bsk)
             if UPCAST:
@@ -261,10 +255,7 @@ def fp8_grouped_gemm_kernel(
             else:
                 acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
             if GATED and MODE == 1:
-                if USE_TMA:
-                    b_up = b_src.load([b_row + b_up_rows, k0])
-                else:
-                    b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+                b_up = k_block(b_tiles, b_row + b_up_rows, k0, USE_TMA, b_up_rows * stride_bn)
                 sb_up = tl.load(sb_up_ptrs + kt * stride_bsk)
                 if UPCAST:
                     b_up = b_up.to(tl.float32)

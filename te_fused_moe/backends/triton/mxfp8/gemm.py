@@ -50,6 +50,7 @@ from ..act_math import ACT_IDS, act_backward, act_forward, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_PLAIN, kernel_operands, operand_sources,
                                    quantized_copies, separate_epilogue, tma_allowed)
 from ..grouped_gemm import interpreting
+from ..operand_tiles import k_block, operand_tiles
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import expand_bf16, mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
@@ -240,14 +241,11 @@ def mx_grouped_gemm_kernel(
     rows = a_row + tl.arange(0, BM)
     rows_in = tl.minimum(rows, T - 1).to(tl.int64)  # scale loads (and pointer loads) stay in the tensor
     cols_in = tl.minimum(pid_n * BN + tl.arange(0, BN), N - 1)
-    offs_k = tl.arange(0, BK)
     b_row = expert * B_ROWS + pid_n * BN
     e64 = expert.to(tl.int64)
     sa_ptrs = as_ptr + rows_in * stride_asm
     sb_ptrs = bs_ptr + e64 * stride_bse + cols_in * stride_bsn
-    if not USE_TMA:
-        a_ptrs = a_src + rows_in[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_src + e64 * stride_be + cols_in.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    a_tiles, b_tiles = operand_tiles(a_src, b_src, rows_in, cols_in, e64, stride_am, stride_be, stride_bn, BK, USE_TMA)
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if GATED and MODE == 1:
@@ -265,32 +263,21 @@ def mx_grouped_gemm_kernel(
             # wgmma into the loop-carried accumulator (no promotion pass)
             for kt in range(0, k_tiles):
                 k0 = kt * BK
-                if USE_TMA:
-                    a = a_src.load([a_row, k0])
-                    b = b_src.load([b_row, k0])
-                else:
-                    a = tl.load(a_ptrs + k0)
-                    b = tl.load(b_ptrs + k0)
+                a = k_block(a_tiles, a_row, k0, USE_TMA)
+                b = k_block(b_tiles, b_row, k0, USE_TMA)
                 kb = kt * (BK // 32) + tl.arange(0, BK // 32)
                 a_x = as_bf16(a, sa_ptrs, kb, stride_ask, A_BF16, BM, BK, UPCAST)
                 b_x = as_bf16(b, sb_ptrs, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
                 acc = tl.dot(a_x, tl.trans(b_x), acc)
                 if GATED and MODE == 1:
-                    if USE_TMA:
-                        b_up = b_src.load([b_row + b_up_rows, k0])
-                    else:
-                        b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+                    b_up = k_block(b_tiles, b_row + b_up_rows, k0, USE_TMA, b_up_rows * stride_bn)
                     up_x = as_bf16(b_up, sb_ptrs + b_up_rows * stride_bsn, kb, stride_bsk, B_BF16, BN, BK, UPCAST)
                     acc_up = tl.dot(a_x, tl.trans(up_x), acc_up)
             k_tiles = 0  # the promotion loop below does nothing
         for kt in range(0, k_tiles):
             k0 = kt * BK
-            if USE_TMA:
-                a = a_src.load([a_row, k0])
-                b = b_src.load([b_row, k0])
-            else:
-                a = tl.load(a_ptrs + k0)
-                b = tl.load(b_ptrs + k0)
+            a = k_block(a_tiles, a_row, k0, USE_TMA)
+            b = k_block(b_tiles, b_row, k0, USE_TMA)
             sa = mx_dequant_scale(tl.load(sa_ptrs + kt * stride_ask))
             sb = mx_dequant_scale(tl.load(sb_ptrs + kt * stride_bsk))
             if UPCAST:
@@ -298,10 +285,7 @@ def mx_grouped_gemm_kernel(
                 b = b.to(tl.float32)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
             if GATED and MODE == 1:
-                if USE_TMA:
-                    b_up = b_src.load([b_row + b_up_rows, k0])
-                else:
-                    b_up = tl.load(b_ptrs + b_up_rows * stride_bn + k0)
+                b_up = k_block(b_tiles, b_row + b_up_rows, k0, USE_TMA, b_up_rows * stride_bn)
                 sb_up = mx_dequant_scale(tl.load(sb_ptrs + b_up_rows * stride_bsn + kt * stride_bsk))
                 if UPCAST:
                     b_up = b_up.to(tl.float32)
