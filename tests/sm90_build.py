@@ -47,16 +47,18 @@ def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: in
     return analyze(k)
 
 
-def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int) -> dict:
+def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int, maxnreg=None) -> dict:
     """:func:`build_sm90` for a Gluon kernel (tensor-descriptor types from
-    ``triton.runtime.jit.mangle_type`` of a host descriptor)."""
+    ``triton.runtime.jit.mangle_type`` of a host descriptor), under a launch register cap ``maxnreg``
+    if given (warp-specialised kernels)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig, attrs = _signature(fn, types, dict(consts, num_warps=num_warps))
+    options = dict(num_warps=num_warps) if maxnreg is None else dict(num_warps=num_warps, maxnreg=maxnreg)
     k = triton.compile(GluonASTSource(fn, sig, dict(consts, num_warps=num_warps), attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+                       target=GPUTarget("cuda", 90, 32), options=options)
     return analyze(k)
 
 
@@ -80,7 +82,11 @@ def analyze(k) -> dict:
            "qgmma_grouped": sum("QGMMA" in l and "gsb0" not in l for l in sass),
            "instructions": sum(bool(re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?[A-Z]", l)) for l in sass),
            "fchk": sum("FCHK" in l for l in sass), "f2fp": sum("F2FP" in l for l in sass),
-           "wait_le1": sum("WARPGROUP.DEPBAR.LE gsb0, 0x1" in l for l in sass)}
+           "wait_le1": sum("WARPGROUP.DEPBAR.LE gsb0, 0x1" in l for l in sass),
+           # register reallocation between warp-specialised partitions: the largest setmaxnreg asked for
+           "setmaxnreg_max": max([int(m.group(1), 16) for l in sass
+                                  for m in [re.search(r"SETMAXREG\.\w+(?:\.\w+)*\s+(?:U?P\w+,\s*)?0x([0-9a-f]+)", l)]
+                                  if m] or [0])}
     # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
     mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
     if mma:

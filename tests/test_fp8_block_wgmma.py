@@ -7,7 +7,9 @@ with a load cursor running ahead across tiles): no spills; 4 FP8 wgmmas per 128-
 the four issue sites (first block, the loop's two, the odd tail); the wgmmas of a block share one
 commit group (when a non-wgmma instruction touches an in-flight accumulator, ptxas serialises every
 wgmma and gives each its own group: C7514); waits that leave one group in flight (the promotion
-under the next wgmma); shared memory within the H200's 227 KB.
+under the next wgmma); shared memory within the H200's 227 KB. The warp-specialised kernels
+(``fp8_block/wgmma_ws.py``) the same, plus the consumers' ``setmaxnreg``: the producer warp's
+registers must reach them.
 """
 
 from __future__ import annotations
@@ -31,22 +33,32 @@ def sm90_build_report() -> dict:
                                     ("dgrad_e5m2", torch.float8_e5m2, False)):
         a_desc, b_desc = W.descriptors(torch.empty(1024, 2048, dtype=a_dtype),
                                        torch.empty(4, 1024, 2048, dtype=torch.float8_e4m3fn))
-        types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32",
-                     c_ptr="*bf16", bias_ptr="*bf16", sched_ptr="*i32")
+        plain_types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32",
+                           c_ptr="*bf16", bias_ptr="*bf16", sched_ptr="*i32")
         consts = dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES)
-        report[name] = build_gluon_sm90(W.fp8_block_gemm_wgmma_kernel, types, consts, num_warps=W.NUM_WARPS)
+        report[name] = build_gluon_sm90(W.fp8_block_gemm_wgmma_kernel, plain_types, consts, num_warps=W.NUM_WARPS)
     # the wgrad as launched by default (E5M2 gradient, E4M3 input) and at 64x64 on one warpgroup
     from te_fused_moe.backends.triton.fp8_block.wgrad import default_config
 
     cfg = default_config(gluon=True)
+    def wgrad_types(block_n, block_k):
+        g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
+        return dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
+                    xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
+                    dw_ptr="*bf16", sched_ptr="*i32")
+
     for name, block_n, block_k, warps, stages in (("wgrad", cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
                                                   ("wgrad_64x64", 64, 64, 4, 4), ("wgrad_128x128", 128, 128, 8, 4)):
-        g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
-        types = dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
-                     xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
-                     dw_ptr="*bf16", sched_ptr="*i32")
-        report[name] = build_gluon_sm90(W.fp8_block_wgrad_wgmma_kernel, types,
+        report[name] = build_gluon_sm90(W.fp8_block_wgrad_wgmma_kernel, wgrad_types(block_n, block_k),
                                         dict(GROUP_N=8, NUM_STAGES=stages), num_warps=warps)
+    # the warp-specialised kernels (a producer warp, the consumers' registers raised by setmaxnreg)
+    from te_fused_moe.backends.triton.fp8_block import wgmma_ws as WS
+
+    report["ws_plain"] = build_gluon_sm90(WS.fp8_block_gemm_ws_kernel, plain_types,
+                                          dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES), num_warps=W.NUM_WARPS,
+                                          maxnreg=WS.launch_maxnreg(W.NUM_WARPS, 1))
+    report["ws_wgrad"] = build_gluon_sm90(WS.fp8_block_wgrad_ws_kernel, wgrad_types(64, 128),
+                                          dict(GROUP_N=8, NUM_STAGES=4), num_warps=4, maxnreg=WS.launch_maxnreg(4, 2))
     return report
 
 
@@ -56,7 +68,8 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
-    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128"}
+    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128", "ws_plain",
+                           "ws_wgrad"}
     for name, r in report.items():
         # no spills, also at 255 registers (the wgrad's 64x128 on one warpgroup, 128x128 on two): its
         # column scales are read from shared memory at the promotion, not held in registers
@@ -65,6 +78,11 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
         assert r["qgmma_grouped"] == 12, (name, r)  # 3 of each block's 4 join the group the 4th commits
         assert r["wait_le1"] >= 3, (name, r)  # the loop's two waits and the tail's first
         assert r["shared"] <= 227 * 1024, (name, r)
+        # warp-specialised: the consumers take the producer's registers (232 at one consumer warpgroup
+        # and two CTAs per SM, 240 at two warpgroups and one CTA); the others do not reallocate
+        assert r["setmaxnreg_max"] == {"ws_plain": 240, "ws_wgrad": 232}.get(name, 0), (name, r)
+    # two CTAs of the warp-specialised wgrad share an SM's 227 KB
+    assert 2 * report["ws_wgrad"]["shared"] <= 227 * 1024, report["ws_wgrad"]
 
 
 def _operands(device="cpu"):

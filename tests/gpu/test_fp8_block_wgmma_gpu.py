@@ -19,6 +19,9 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py
   grid forced down to 1-7 programs (many tiles each) must give the same exact results, with runs
   of empty experts and one-block experts in between (the cursor's catch-up path), and so must the
   one-program-per-tile launch.
+- The warp-specialised kernels (``fp8_block/wgmma_ws.py``: a producer warp loads, the consumers
+  compute; engine label ``gluon-ws`` here) go through every check above too, and must be bitwise
+  equal to the cursor kernels on random data.
 """
 
 from __future__ import annotations
@@ -68,11 +71,20 @@ def _reference(aq, wq, counts, bias):
     return ref, mag, row
 
 
-def _run(engine, aq, wq, counts, sched, bias, n, **config):
+GLUON_ENGINES = ("gluon", "gluon-ws")
+
+
+def _engine(label):
+    """A test's engine label -> (engine, warp_specialized)."""
+    return ("gluon", True) if label == "gluon-ws" else (label, False)
+
+
+def _run(label, aq, wq, counts, sched, bias, n, **config):
     from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
 
+    engine, ws = _engine(label)
     c = torch.full((aq.data.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine, **config)
+    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine, warp_specialized=ws, **config)
     gemm.launch("fc2", aq.data, aq.scale, wq.data, wq.scale, n, sched, counts.numel(), Q.FP8Spec(), c=c, bias=bias,
                 config=cfg)
     return c
@@ -83,7 +95,7 @@ def test_exact_on_integer_data(k_blocks):
     aq, wq, counts, sched, _ = _problem(700, 128 * k_blocks, 256, 5, "e4m3", True, seed=k_blocks)
     ref, _, routed = _reference(aq, wq, counts, None)
     assert 0 in counts.tolist() and routed < 700
-    for engine in ("gluon", "triton"):
+    for engine in GLUON_ENGINES + ("triton",):
         out = _run(engine, aq, wq, counts, sched, None, 256)
         bad = int((out[:routed] != ref[:routed].to(torch.bfloat16)).sum())
         pad = int((out[routed:] != 0).sum())  # also catches the NaN poison
@@ -99,19 +111,21 @@ def test_random_data_vs_fp64_and_triton(k_blocks, fmt, with_bias, routing):
     bias = bias if with_bias else None
     ref, mag, routed = _reference(aq, wq, counts, bias)
     errs = {}
-    for engine in ("gluon", "triton"):
+    for engine in GLUON_ENGINES + ("triton",):
         out = _run(engine, aq, wq, counts, sched, bias, 384)
         diff = (out[:routed].double() - ref[:routed]).abs()
         far = int((diff > 2.0 ** -8 * ref[:routed].abs() + 2.0 ** -9 * mag[:routed]).sum())
         errs[engine] = dict(far=far, nan=int(torch.isnan(out).sum()), pad=int((out[routed:] != 0).sum()),
                             rel=float(diff.norm() / ref[:routed].norm()))
     g_out, t_out = _run("gluon", aq, wq, counts, sched, bias, 384), _run("triton", aq, wq, counts, sched, bias, 384)
+    ws_out = _run("gluon-ws", aq, wq, counts, sched, bias, 384)
     errs["bitwise_equal_fraction"] = float((g_out == t_out).double().mean())
     print("WGMMA_RANDOM", k_blocks, fmt, json.dumps(errs))
-    for engine in ("gluon", "triton"):
+    for engine in GLUON_ENGINES + ("triton",):
         e = errs[engine]
         assert e["far"] == 0 and e["nan"] == 0 and e["pad"] == 0, (engine, errs)
     assert errs["gluon"]["rel"] <= 1.05 * errs["triton"]["rel"] + 1e-6, errs
+    assert torch.equal(ws_out, g_out)  # same tiles, same K order, same promotion code
 
 
 def test_no_host_syncs_and_dgrad_shapes():
@@ -170,12 +184,14 @@ def _wgrad_reference(gq, xq, counts, sched, N, K):
     return ref, mag
 
 
-def _run_wgrad(engine, gq, xq, sched, dw_shape, **tiles):
+def _run_wgrad(label, gq, xq, sched, dw_shape, **tiles):
     from te_fused_moe.backends.triton.fp8_block import wgrad as W
 
+    engine, ws = _engine(label)
     dw = torch.full(dw_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     base = W.default_config(gluon=engine == "gluon")
-    W.fp8_grouped_wgrad(gq, xq, sched, dw, config=dataclasses.replace(base, engine=engine, **tiles))
+    W.fp8_grouped_wgrad(gq, xq, sched, dw, config=dataclasses.replace(base, engine=engine, warp_specialized=ws,
+                                                                      **tiles))
     return dw
 
 
@@ -186,7 +202,7 @@ def test_wgrad_exact_on_integer_data(tiles):
     gq, xq, counts, sched = _wgrad_problem(900, 256, 384, 6, True, seed=1)
     ref, _ = _wgrad_reference(gq, xq, counts, sched, 256, 384)
     assert 0 in counts.tolist() and max(counts.tolist()) > 128  # empty experts, several token blocks
-    for engine, kw in (("gluon", tiles), ("triton", {})):
+    for engine, kw in (("gluon", tiles), ("gluon-ws", tiles), ("triton", {})):
         dw = _run_wgrad(engine, gq, xq, sched, (6, 256, 384), **kw)
         bad = int((dw != ref.to(torch.bfloat16)).sum())
         print("WGRAD_EXACT", engine, tiles, bad)
@@ -197,9 +213,9 @@ def test_wgrad_exact_on_integer_data(tiles):
 def test_wgrad_random_data_vs_fp64_and_triton(routing):
     gq, xq, counts, sched = _wgrad_problem(3000, 512, 640, 8, False, seed=7, routing=routing)
     ref, mag = _wgrad_reference(gq, xq, counts, sched, 512, 640)
-    errs = {}
-    for engine in ("gluon", "triton"):
-        dw = _run_wgrad(engine, gq, xq, sched, (8, 512, 640))
+    errs, outs = {}, {}
+    for engine in GLUON_ENGINES + ("triton",):
+        dw = outs[engine] = _run_wgrad(engine, gq, xq, sched, (8, 512, 640))
         diff = (dw.double() - ref).abs()
         errs[engine] = dict(far=int((diff > 2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag).sum()),
                             nan=int(torch.isnan(dw).sum()), rel=float(diff.norm() / ref.norm()))
@@ -207,6 +223,7 @@ def test_wgrad_random_data_vs_fp64_and_triton(routing):
     for e in errs.values():
         assert e["far"] == 0 and e["nan"] == 0, errs
     assert errs["gluon"]["rel"] <= 1.05 * errs["triton"]["rel"] + 1e-6, errs
+    assert torch.equal(outs["gluon-ws"], outs["gluon"])
 
 
 # experts: runs of empty ones, one-block ones (1 and 128 tokens), several blocks; 7 padding rows
@@ -220,29 +237,31 @@ def _forced_grid(monkeypatch, programs):
     monkeypatch.setattr(wgmma_gemm, "persistent_grid", lambda tiles, device, ctas_per_sm: min(tiles, programs))
 
 
+@pytest.mark.parametrize("engine", GLUON_ENGINES)
 @pytest.mark.parametrize("programs", [1, 3, 7])
-def test_persistent_plain_exact_on_integer_data(monkeypatch, programs):
+def test_persistent_plain_exact_on_integer_data(monkeypatch, programs, engine):
     counts = torch.tensor(_PERSISTENT_COUNTS)
     T = int(counts.sum()) + 7
     aq, wq, counts, sched, _ = _problem(T, 128 * 3, 256, counts.numel(), "e4m3", True, seed=programs, counts=counts)
     ref, _, routed = _reference(aq, wq, counts, None)
     _forced_grid(monkeypatch, programs)
-    out = _run("gluon", aq, wq, counts, sched, None, 256, ctas_per_sm=1)
+    out = _run(engine, aq, wq, counts, sched, None, 256, ctas_per_sm=1)
     bad, pad = int((out[:routed] != ref[:routed].to(torch.bfloat16)).sum()), int((out[routed:] != 0).sum())
-    print("PERSISTENT_PLAIN", programs, bad, pad)
+    print("PERSISTENT_PLAIN", engine, programs, bad, pad)
     assert bad == 0 and pad == 0, (programs, bad, pad)
 
 
 @pytest.mark.parametrize("programs,tiles", [(1, {}), (2, {}), (5, dict(block_n=64, block_k=64, num_warps=4)),
                                             (None, dict(ctas_per_sm=0)), (None, dict(ctas_per_sm=3))])
-def test_persistent_wgrad_exact_on_integer_data(monkeypatch, programs, tiles):
+@pytest.mark.parametrize("engine", GLUON_ENGINES)
+def test_persistent_wgrad_exact_on_integer_data(monkeypatch, programs, tiles, engine):
     counts = torch.tensor(_PERSISTENT_COUNTS)
     N, K = 256, 384
     gq, xq, counts, sched = _wgrad_problem(int(counts.sum()) + 7, N, K, counts.numel(), True, seed=2, counts=counts)
     ref, _ = _wgrad_reference(gq, xq, counts, sched, N, K)
     if programs is not None:
         _forced_grid(monkeypatch, programs)
-    dw = _run_wgrad("gluon", gq, xq, sched, (counts.numel(), N, K), **tiles)
+    dw = _run_wgrad(engine, gq, xq, sched, (counts.numel(), N, K), **tiles)
     bad = int((dw != ref.to(torch.bfloat16)).sum())
-    print("PERSISTENT_WGRAD", programs, tiles, bad)
+    print("PERSISTENT_WGRAD", engine, programs, tiles, bad)
     assert bad == 0, (programs, tiles, bad)

@@ -56,6 +56,9 @@ USE_TMA_DEFAULT = True
 # :mod:`.wgmma_gemm` on sm_90 (promotion under the next wgmma), this module's Triton kernel elsewhere
 # and under the interpreter; "triton" / "gluon" force one (benchmarks compare both in one process).
 PLAIN_ENGINE = "auto"
+# Whether the Gluon plain GEMM runs warp-specialised (:mod:`.wgmma_ws`: a producer warp does the
+# loads) or with its own load cursor (:mod:`.wgmma_gemm`)
+PLAIN_WARP_SPECIALIZED = False
 # How the FC1 and dGLU kernels run: "fused" = one kernel (K loop, then the activation + quantize
 # epilogue); "separate" = the plain GEMM writes the accumulator in FP32 ([T, N], transient), then the
 # same kernel with ``ACC_IN`` runs the epilogue alone on it: the same FP32 values through the same
@@ -90,6 +93,7 @@ class FP8GemmConfig:
     # vs 1.19 ms, FC1 dgrad 2.12 vs 2.17, FC1's GEMM 1.96 vs 2.08 at DSv3 (run 17d); about even with
     # session 6's kernel, which had no load cursor (1.12 / 2.08 / 1.97)
     ctas_per_sm: int = 1
+    warp_specialized: Optional[bool] = None  # the Gluon plain GEMM; None = PLAIN_WARP_SPECIALIZED
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
@@ -390,8 +394,10 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     if mode != MODE_PLAIN and cfg.block_n != BLOCK:
         raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")
     if mode == MODE_PLAIN and _plain_on_gluon(cfg, a, b):
-        from .wgmma_gemm import launch_plain
-
+        if PLAIN_WARP_SPECIALIZED if cfg.warp_specialized is None else cfg.warp_specialized:
+            from .wgmma_ws import launch_plain
+        else:
+            from .wgmma_gemm import launch_plain
         return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
                             num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)

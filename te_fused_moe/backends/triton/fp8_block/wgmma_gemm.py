@@ -297,13 +297,15 @@ def fp8_block_wgrad_wgmma_kernel(
 @gluon.jit
 def _promoted_mainloop(ring, used, k_first, k_tiles, cursor, src, row_scales, stride_row_scales, col_scales,
                        stride_col_scales, mma: gl.constexpr, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr,
-                       KIND: gl.constexpr, GROUP: gl.constexpr):
+                       KIND: gl.constexpr, GROUP: gl.constexpr, PRODUCER: gl.constexpr = False):
     """sum over K blocks ``k_first .. k_first + k_tiles - 1`` (``k_tiles >= 1``) of ``dot(A block, B
     block^T) * scale`` in FP32, with block ``k``'s wgmma running while block ``k-1`` is promoted.
     The blocks were loaded by the ``cursor`` (:func:`_load_next`) into the ring's stages from
     ``used`` on; each block retired steps the cursor, which runs ``NUM_STAGES`` blocks ahead across
     tiles. Returns the sum and the cursor. Scales: per row of A (:func:`_row_scale`) times one
-    scalar of B per block, or (``OUTER``) times B's per-row scales from the ring (:func:`_retire`)."""
+    scalar of B per block, or (``OUTER``) times B's per-row scales from the ring (:func:`_retire`).
+    ``PRODUCER``: a producer partition fills the ring (:mod:`.wgmma_ws`); each block retired hands its
+    stage back to it and ``cursor`` / ``src`` are unused."""
     BLOCK_M: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_N: gl.constexpr = ring[1].block_type.shape[0]
     # Two register tiles take turns (X, Y): the loop runs two K blocks per trip so that neither is ever
@@ -313,29 +315,30 @@ def _promoted_mainloop(ring, used, k_first, k_tiles, cursor, src, row_scales, st
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     spare = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     in_flight = _issue(ring, used, spare, NUM_STAGES)
-    cursor = _resolve_after(cursor, src, BLOCK_M, BLOCK_N, KIND, GROUP)
+    if not PRODUCER:
+        cursor = _resolve_after(cursor, src, BLOCK_M, BLOCK_N, KIND, GROUP)
     rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first, OUTER)
     for k in range(1, k_tiles - 1, 2):
         rs_k = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k, OUTER)
         issued = _issue(ring, used + k, spare, NUM_STAGES)
-        done, cs, cursor = _retire(ring, in_flight, 1, used + k - 1, cursor, src, NUM_STAGES, OUTER)
+        done, cs, cursor = _retire(ring, in_flight, 1, used + k - 1, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, done, rs, cs, OUTER)
         rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k + 1, OUTER)
         in_flight = _issue(ring, used + k + 1, done, NUM_STAGES)
-        spare, cs, cursor = _retire(ring, issued, 1, used + k, cursor, src, NUM_STAGES, OUTER)
+        spare, cs, cursor = _retire(ring, issued, 1, used + k, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, spare, rs_k, cs, OUTER)
     # both branches end with every wgmma waited for: a token leaving an if would merge X and Y (a copy)
     if k_tiles % 2 == 0:
         # one K block left after the pairs
         last = k_tiles - 1
         issued = _issue(ring, used + last, spare, NUM_STAGES)
-        done, cs, cursor = _retire(ring, in_flight, 1, used + last - 1, cursor, src, NUM_STAGES, OUTER)
+        done, cs, cursor = _retire(ring, in_flight, 1, used + last - 1, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, done, rs, cs, OUTER)
         rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + last, OUTER)
-        done, cs, cursor = _retire(ring, issued, 0, used + last, cursor, src, NUM_STAGES, OUTER)
+        done, cs, cursor = _retire(ring, issued, 0, used + last, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, done, rs, cs, OUTER)
     else:
-        done, cs, cursor = _retire(ring, in_flight, 0, used + k_tiles - 1, cursor, src, NUM_STAGES, OUTER)
+        done, cs, cursor = _retire(ring, in_flight, 0, used + k_tiles - 1, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, done, rs, cs, OUTER)
     return acc, cursor
 
@@ -376,18 +379,23 @@ def _issue(ring, j, out, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _retire(ring, token, outstanding: gl.constexpr, j, cursor, src, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr):
+def _retire(ring, token, outstanding: gl.constexpr, j, cursor, src, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr,
+            PRODUCER: gl.constexpr = False):
     """Waits for the wgmma of the ring's ``j``-th K block (``token``; ``outstanding`` newer ones may still
     run), reads its B column scales (``OUTER``; else 1.0) before the stage can be refilled, then
-    steps the load cursor. Returns the partial product, the scales ([1, BLOCK_N] in its layout) and
-    the cursor."""
+    steps the load cursor or (``PRODUCER``) hands the stage back to the producer partition (its
+    ``empty`` barrier, ``ring[7]``). Returns the partial product, the scales ([1, BLOCK_N] in its
+    layout) and the cursor."""
     done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(token,))
     if OUTER:
         cs = ring[6].index(j % NUM_STAGES).load(done.type.layout)
     else:
         cs = 1.0
-    gl.thread_barrier()  # both warpgroups are past their wgmma on this stage before TMA overwrites it
-    cursor = _load_next(ring, cursor, src, NUM_STAGES, OUTER)
+    gl.thread_barrier()  # every warp is past its wgmma on this stage before TMA overwrites it
+    if PRODUCER:
+        mbarrier.arrive(ring[7].index(j % NUM_STAGES), count=1)
+    else:
+        cursor = _load_next(ring, cursor, src, NUM_STAGES, OUTER)
     return done, cs, cursor
 
 

@@ -36,6 +36,9 @@ from .quantize import BLOCK, QuantizedRows
 # CTAs per SM hide them about as well as the Gluon kernel's cursor does, and its promotion, though
 # not under the wgmma, is spread over three CTAs.
 WGRAD_ENGINE = "triton"
+# Whether the Gluon wgrad runs warp-specialised (:mod:`.wgmma_ws`: a producer warp does the loads, the
+# consumer warpgroup keeps 232 registers) or with its own load cursor (:mod:`.wgmma_gemm`)
+WGRAD_WARP_SPECIALIZED = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class FP8WgradConfig:
     engine: Optional[str] = None  # "auto", "gluon" or "triton"; None = WGRAD_ENGINE
     maxnreg: Optional[int] = None  # Triton kernel: register cap (None: the compiler's choice)
     ctas_per_sm: int = 1  # Gluon kernel: persistent programs per SM (0: one program per tile)
+    warp_specialized: Optional[bool] = None  # Gluon kernel; None = WGRAD_WARP_SPECIALIZED
 
 
 def default_config(gluon: bool = False) -> FP8WgradConfig:
@@ -126,9 +130,12 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
     if _on_gluon(config, g, x):
-        from .wgmma_gemm import launch_wgrad
-
         cfg = config or default_config(gluon=True)
+        ws = WGRAD_WARP_SPECIALIZED if cfg.warp_specialized is None else cfg.warp_specialized
+        if ws:
+            from .wgmma_ws import launch_wgrad
+        else:
+            from .wgmma_gemm import launch_wgrad
         wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK, False)  # the shape checks
         return launch_wgrad(g, x, schedule, dw, block_n=cfg.block_n, block_k=cfg.block_k, group_n=cfg.group_n,
                             num_stages=cfg.num_stages, num_warps=cfg.num_warps, ctas_per_sm=cfg.ctas_per_sm)
