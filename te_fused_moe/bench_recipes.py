@@ -250,13 +250,15 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # BF16 values; the default before run 15), NVFP4's weight cache holding BF16 values, and the FP8 block
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
-# with warp-specialised Gluon kernels (plain GEMMs and wgrads: wgmma_ws)
+# with the plain GEMMs on the load-cursor Gluon kernel (the default before run 19, when the
+# warp-specialised one took over), or with the warp-specialised Gluon wgrad
 VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
-                          "fp8_block_fused_warp_specialized": _fused_under(
-                              "fp8_block", gemm=dict(PLAIN_WARP_SPECIALIZED=True),
-                              wgrad=dict(WGRAD_ENGINE="gluon", WGRAD_WARP_SPECIALIZED=True))},
+                          "fp8_block_fused_cursor_plain": _fused_under(
+                              "fp8_block", gemm=dict(PLAIN_WARP_SPECIALIZED=False)),
+                          "fp8_block_fused_wgrad_ws": _fused_under(
+                              "fp8_block", wgrad=dict(WGRAD_ENGINE="gluon", WGRAD_WARP_SPECIALIZED=True))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
@@ -455,8 +457,9 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
                                                              engine="gluon", ctas_per_sm=0)),
             # the plain GEMMs one program per tile (persistent, one per SM, is the default)
             "plain_gluon_per_tile": dict(gemm_config=G(num_stages=4, ctas_per_sm=0)),
-            # warp-specialised Gluon kernels (wgmma_ws: a producer warp loads, the consumers compute)
-            "plain_ws": dict(gemm_config=G(num_stages=4, warp_specialized=True)),
+            # warp-specialised Gluon kernels (wgmma_ws: a producer warp loads, the consumers compute;
+            # the default for the plain GEMMs since run 19) and the load-cursor kernel before them
+            "plain_cursor": dict(gemm_config=G(num_stages=4, warp_specialized=False)),
             "plain_ws_s5": dict(gemm_config=G(num_stages=5, warp_specialized=True)),
             "wgrad_ws": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4, engine="gluon",
                                             ctas_per_sm=2, warp_specialized=True)),
@@ -464,6 +467,11 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
                                                ctas_per_sm=2, warp_specialized=True)),
             "wgrad_ws_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
                                                        engine="gluon", ctas_per_sm=1, warp_specialized=True)),
+            "wgrad_ws_128x128_w8_s4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                                                          engine="gluon", ctas_per_sm=1, warp_specialized=True)),
+            "wgrad_ws_128x128_w8_g4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
+                                                          group_n=4, engine="gluon", ctas_per_sm=1,
+                                                          warp_specialized=True)),
             "wgrad_ws_64x64_w4_3cta": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
                                                           engine="gluon", ctas_per_sm=3, warp_specialized=True)),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are

@@ -58,7 +58,13 @@ def sm90_build_report() -> dict:
                                           dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES), num_warps=W.NUM_WARPS,
                                           maxnreg=WS.launch_maxnreg(W.NUM_WARPS, 1))
     report["ws_wgrad"] = build_gluon_sm90(WS.fp8_block_wgrad_ws_kernel, wgrad_types(64, 128),
-                                          dict(GROUP_N=8, NUM_STAGES=4), num_warps=4, maxnreg=WS.launch_maxnreg(4, 2))
+                                          dict(GROUP_N=8, NUM_STAGES=4), num_warps=4,
+                                          maxnreg=WS.launch_maxnreg(4, 2, 64 * 128))
+    ws_cfg = default_config(gluon=True, warp_specialized=True)
+    report["ws_wgrad_default"] = build_gluon_sm90(
+        WS.fp8_block_wgrad_ws_kernel, wgrad_types(ws_cfg.block_n, ws_cfg.block_k),
+        dict(GROUP_N=8, NUM_STAGES=ws_cfg.num_stages), num_warps=ws_cfg.num_warps,
+        maxnreg=WS.launch_maxnreg(ws_cfg.num_warps, ws_cfg.ctas_per_sm, ws_cfg.block_n * ws_cfg.block_k))
     return report
 
 
@@ -69,7 +75,7 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
     assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128", "ws_plain",
-                           "ws_wgrad"}
+                           "ws_wgrad", "ws_wgrad_default"}
     for name, r in report.items():
         # no spills, also at 255 registers (the wgrad's 64x128 on one warpgroup, 128x128 on two): its
         # column scales are read from shared memory at the promotion, not held in registers
@@ -80,7 +86,7 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
         assert r["shared"] <= 227 * 1024, (name, r)
         # warp-specialised: the consumers take the producer's registers (232 at one consumer warpgroup
         # and two CTAs per SM, 240 at two warpgroups and one CTA); the others do not reallocate
-        assert r["setmaxnreg_max"] == {"ws_plain": 240, "ws_wgrad": 232}.get(name, 0), (name, r)
+        assert r["setmaxnreg_max"] == {"ws_plain": 240, "ws_wgrad": 232, "ws_wgrad_default": 240}.get(name, 0), (name, r)
     # two CTAs of the warp-specialised wgrad share an SM's 227 KB
     assert 2 * report["ws_wgrad"]["shared"] <= 227 * 1024, report["ws_wgrad"]
 
@@ -161,3 +167,18 @@ def test_engines_on_names_the_kernels_and_why(monkeypatch):
     monkeypatch.setattr(wgrad, "WGRAD_ENGINE", "gluon")
     e = gemm.engines_on(cpu)
     assert e["FC1 / dGLU"] == "fc1: GEMM + epilogue alone, dact: one kernel" and e["wgrad"] == "triton", e
+
+
+def test_warp_specialized_register_budget():
+    """The launch register cap of the warp-specialised kernels: CTAs per SM x (consumer warps + the
+    producer's warpgroup) fill the register file; a cap too small for the tile's accumulator is a clear
+    error naming ctas_per_sm (ptxas would fail with C7602)."""
+    from te_fused_moe.backends.triton.fp8_block import wgmma_ws as WS
+
+    assert WS.launch_maxnreg(4, 2, 64 * 128) == 128  # 2 x 8 warps x 128 = the 64 K registers
+    assert WS.launch_maxnreg(8, 1) == 168  # 12 warps
+    assert WS.launch_maxnreg(4, 3, 64 * 64) == 80
+    with pytest.raises(ValueError, match="ctas_per_sm: 3 CTAs per SM .* need at least 96"):
+        WS.launch_maxnreg(4, 3, 64 * 128)
+    with pytest.raises(ValueError, match="ctas_per_sm: 2 CTAs"):
+        WS.launch_maxnreg(8, 2)

@@ -252,7 +252,8 @@ def test_persistent_plain_exact_on_integer_data(monkeypatch, programs, engine):
 
 
 @pytest.mark.parametrize("programs,tiles", [(1, {}), (2, {}), (5, dict(block_n=64, block_k=64, num_warps=4)),
-                                            (None, dict(ctas_per_sm=0)), (None, dict(ctas_per_sm=3))])
+                                            (None, dict(ctas_per_sm=0)),
+                                            (None, dict(block_n=64, block_k=64, num_warps=4, ctas_per_sm=3))])
 @pytest.mark.parametrize("engine", GLUON_ENGINES)
 def test_persistent_wgrad_exact_on_integer_data(monkeypatch, programs, tiles, engine):
     counts = torch.tensor(_PERSISTENT_COUNTS)

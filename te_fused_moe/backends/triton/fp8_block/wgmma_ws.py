@@ -174,12 +174,20 @@ def fp8_block_wgrad_ws_kernel(
     ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
 
 
-def launch_maxnreg(consumer_warps: int, ctas_per_sm: int) -> int:
+def launch_maxnreg(consumer_warps: int, ctas_per_sm: int, tile_elements: int = 128 * 128) -> int:
     """The per-thread register cap at launch so that ``ctas_per_sm`` CTAs of ``consumer_warps`` consumer
-    warps plus the producer's warpgroup fit the register file (multiples of 8, at most 255 less the
-    rounding); the producer gives back its share above 24, which goes to the consumers."""
+    warps plus the producer's warpgroup fit the register file (multiples of 8, at most 248); the
+    producer gives back its share above 24, which goes to the consumers. ptxas still compiles each
+    wgmma within the launch cap (C7602): its accumulator (``tile_elements`` over the consumer threads)
+    plus ~26 registers must fit, else a clear error here instead of a ptxas failure."""
     warps = consumer_warps + 4  # the producer's warp occupies a warpgroup
-    return min(248, (REGISTER_FILE // (ctas_per_sm * warps * 32)) // 8 * 8)
+    regs = min(248, (REGISTER_FILE // (ctas_per_sm * warps * 32)) // 8 * 8)
+    need = tile_elements // (consumer_warps * 32) + 32
+    if regs < need:
+        raise ValueError(f"ctas_per_sm: {ctas_per_sm} CTAs per SM of a warp-specialised kernel with {consumer_warps} "
+                         f"consumer warps leave {regs} registers per thread at launch; its {tile_elements}-element "
+                         f"tiles need at least {need}: use fewer CTAs per SM or smaller tiles")
+    return regs
 
 
 def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
@@ -216,5 +224,5 @@ def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, block_n: int = 
         W.descriptor(x.data_t, block_k), W.scale_descriptor(x.scale_t, block_k),
         dw, dw.stride(0), dw.stride(1), schedule, n, k, num_experts + 1,
         GROUP_N=group_n, NUM_STAGES=num_stages, num_warps=num_warps,
-        maxnreg=launch_maxnreg(num_warps, max(1, ctas_per_sm)),
+        maxnreg=launch_maxnreg(num_warps, max(1, ctas_per_sm), block_n * block_k),
     )

@@ -55,15 +55,21 @@ class FP8WgradConfig:
     warp_specialized: Optional[bool] = None  # Gluon kernel; None = WGRAD_WARP_SPECIALIZED
 
 
-def default_config(gluon: bool = False) -> FP8WgradConfig:
+def default_config(gluon: bool = False, warp_specialized: bool = False) -> FP8WgradConfig:
     """Triton: 128x64 tiles at 4 warps (~165 registers, 72 KB of shared memory): three CTAs share an SM,
     so one CTA's FP32 promotion (an outer product of scales per token block) runs under another's
     wgmma. On the H200 at DSv3 shapes: 670-690 TFLOP/s vs ~500 with 128x128 tiles at 8 warps.
     Gluon: the same tiles on one warpgroup, two persistent CTAs per SM (no spills since the column
     scales come by TMA): 1.54 / 3.05 ms at DSv3 vs 1.55 / 3.07 for 128x128 on two warpgroups, 1.90 /
-    3.80 for 64x64 at three CTAs per SM, 1.71 / 3.58 one program per tile (run 17d)."""
+    3.80 for 64x64 at three CTAs per SM, 1.71 / 3.58 one program per tile (run 17d).
+    Gluon warp-specialised: 128x128 on two consumer warpgroups, 5 stages, one CTA per SM: 1.37 / 2.75
+    ms vs 1.43 / 2.84 for 64x128 on one warpgroup at two CTAs per SM (4 stages; 1.40 / 2.79 at 3) and
+    1.42 / 2.82 for the Triton wgrad in the same process (run 19a)."""
     if interpreting():
         return FP8WgradConfig(group_n=2, num_warps=4, num_stages=1)
+    if gluon and warp_specialized:
+        return FP8WgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=5, ctas_per_sm=1,
+                              warp_specialized=True)
     if gluon:
         return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, ctas_per_sm=2)
     return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
@@ -130,8 +136,8 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
     if _on_gluon(config, g, x):
-        cfg = config or default_config(gluon=True)
-        ws = WGRAD_WARP_SPECIALIZED if cfg.warp_specialized is None else cfg.warp_specialized
+        ws = WGRAD_WARP_SPECIALIZED if config is None or config.warp_specialized is None else config.warp_specialized
+        cfg = config or default_config(gluon=True, warp_specialized=ws)
         if ws:
             from .wgmma_ws import launch_wgrad
         else:
