@@ -251,14 +251,16 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
 # with the plain GEMMs on the load-cursor Gluon kernel (the default before run 19, when the
-# warp-specialised one took over), or with the warp-specialised Gluon wgrad
+# warp-specialised one took over), or with the Triton wgrad (the default before run 19), or with the
+# warp-specialised wgrad's consumers in one partition (run 19's first default)
 VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
                           "fp8_block_fused_cursor_plain": _fused_under(
                               "fp8_block", gemm=dict(PLAIN_WARP_SPECIALIZED=False)),
-                          "fp8_block_fused_wgrad_ws": _fused_under(
-                              "fp8_block", wgrad=dict(WGRAD_ENGINE="gluon", WGRAD_WARP_SPECIALIZED=True))},
+                          "fp8_block_fused_triton_wgrad": _fused_under("fp8_block", wgrad=dict(WGRAD_ENGINE="triton")),
+                          "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
+                                                                              wgrad=dict(WGRAD_CONSUMERS=1))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
@@ -438,40 +440,53 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
-            # the Gluon wgrad (opt-in: slower), persistent (ctas_per_sm programs per SM; 0: one per tile)
+            # the load-cursor Gluon wgrad (slower), persistent (ctas_per_sm programs per SM; 0: one per tile)
             "wgrad_gluon": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon",
-                                               ctas_per_sm=2)),
+                                               warp_specialized=False, ctas_per_sm=2)),
             "wgrad_gluon_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                                                          engine="gluon")),
+                                                          engine="gluon", warp_specialized=False)),
             "wgrad_gluon_128x128_w8_s3": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=3,
-                                                             engine="gluon")),
+                                                             engine="gluon", warp_specialized=False)),
             "wgrad_gluon_128x64_w8": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=4,
-                                                         engine="gluon")),
+                                                         engine="gluon", warp_specialized=False)),
             "wgrad_gluon_128x64_w8_2cta": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=3,
-                                                              engine="gluon", ctas_per_sm=2)),
+                                                              engine="gluon", warp_specialized=False, ctas_per_sm=2)),
             "wgrad_gluon_64x64_w4_3cta": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
-                                                             engine="gluon", ctas_per_sm=3)),
+                                                             engine="gluon", warp_specialized=False, ctas_per_sm=3)),
             "wgrad_gluon_64x128_w4_1cta": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4,
-                                                              engine="gluon", ctas_per_sm=1)),
+                                                              engine="gluon", warp_specialized=False, ctas_per_sm=1)),
             "wgrad_gluon_nonpersistent": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
-                                                             engine="gluon", ctas_per_sm=0)),
+                                                             engine="gluon", warp_specialized=False, ctas_per_sm=0)),
             # the plain GEMMs one program per tile (persistent, one per SM, is the default)
             "plain_gluon_per_tile": dict(gemm_config=G(num_stages=4, ctas_per_sm=0)),
             # warp-specialised Gluon kernels (wgmma_ws: a producer warp loads, the consumers compute;
             # the default for the plain GEMMs since run 19) and the load-cursor kernel before them
             "plain_cursor": dict(gemm_config=G(num_stages=4, warp_specialized=False)),
             "plain_ws_s5": dict(gemm_config=G(num_stages=5, warp_specialized=True)),
+            # two consumer partitions, a warpgroup per half of each tile's rows (not in step)
+            "plain_ws2": dict(gemm_config=G(num_stages=4, warp_specialized=True, consumers=2)),
             "wgrad_ws": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4, engine="gluon",
                                             ctas_per_sm=2, warp_specialized=True)),
             "wgrad_ws_s3": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon",
                                                ctas_per_sm=2, warp_specialized=True)),
+            # the wgrads: the Triton kernel (the default before run 19), the warp-specialised Gluon one
+            # (the default since) storing dw without TMA, and at other tiles / stages / L2 bands
+            "wgrad_triton": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="triton")),
             "wgrad_ws_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
                                                        engine="gluon", ctas_per_sm=1, warp_specialized=True)),
+            "wgrad_ws2": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5, engine="gluon",
+                                             ctas_per_sm=1, warp_specialized=True, tma_store=True, consumers=2)),
+            "wgrad_ws2_s4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4, engine="gluon",
+                                                ctas_per_sm=1, warp_specialized=True, tma_store=True, consumers=2)),
             "wgrad_ws_128x128_w8_s4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                                                          engine="gluon", ctas_per_sm=1, warp_specialized=True)),
+                                                          engine="gluon", ctas_per_sm=1, warp_specialized=True,
+                                                          tma_store=True)),
             "wgrad_ws_128x128_w8_g4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
                                                           group_n=4, engine="gluon", ctas_per_sm=1,
-                                                          warp_specialized=True)),
+                                                          warp_specialized=True, tma_store=True)),
+            "wgrad_ws_128x128_w8_g16": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
+                                                           group_n=16, engine="gluon", ctas_per_sm=1,
+                                                           warp_specialized=True, tma_store=True)),
             "wgrad_ws_64x64_w4_3cta": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
                                                           engine="gluon", ctas_per_sm=3, warp_specialized=True)),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are

@@ -54,18 +54,42 @@ def sm90_build_report() -> dict:
     # the warp-specialised kernels (a producer warp, the consumers' registers raised by setmaxnreg)
     from te_fused_moe.backends.triton.fp8_block import wgmma_ws as WS
 
-    report["ws_plain"] = build_gluon_sm90(WS.fp8_block_gemm_ws_kernel, plain_types,
-                                          dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES), num_warps=W.NUM_WARPS,
-                                          maxnreg=WS.launch_maxnreg(W.NUM_WARPS, 1))
-    report["ws_wgrad"] = build_gluon_sm90(WS.fp8_block_wgrad_ws_kernel, wgrad_types(64, 128),
-                                          dict(GROUP_N=8, NUM_STAGES=4), num_warps=4,
-                                          maxnreg=WS.launch_maxnreg(4, 2, 64 * 128))
-    ws_cfg = default_config(gluon=True, warp_specialized=True)
-    report["ws_wgrad_default"] = build_gluon_sm90(
-        WS.fp8_block_wgrad_ws_kernel, wgrad_types(ws_cfg.block_n, ws_cfg.block_k),
-        dict(GROUP_N=8, NUM_STAGES=ws_cfg.num_stages), num_warps=ws_cfg.num_warps,
-        maxnreg=WS.launch_maxnreg(ws_cfg.num_warps, ws_cfg.ctas_per_sm, ws_cfg.block_n * ws_cfg.block_k))
+    def ws_build(kernel, types, consts, warps, ctas_per_sm, tile_elements, consumers):
+        launch = WS._partitions(warps, consumers, ctas_per_sm, tile_elements)
+        return dict(build_gluon_sm90(kernel, types, dict(consts, CONSUMERS=consumers,
+                                                         CONSUMER_REGISTERS=launch["CONSUMER_REGISTERS"]),
+                                     num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]), consumers=consumers)
+
+    for consumers in (1, 2):
+        report[f"ws_plain_{consumers}"] = ws_build(WS.fp8_block_gemm_ws_kernel, plain_types,
+                                                   dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES),
+                                                   W.NUM_WARPS, 1, W.BM * W.BN, consumers)
+    def ws_wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers):
+        types = wgrad_types(block_n, block_k)
+        dw_desc = WS._store_descriptor(torch.empty(4, 4096, 7168, dtype=torch.bfloat16), block_n // consumers,
+                                       block_k)
+        types["dw_desc"] = mangle_type(dw_desc) if tma_store else types["g_desc"]
+        return ws_build(WS.fp8_block_wgrad_ws_kernel, types, dict(GROUP_N=8, NUM_STAGES=stages, TMA_STORE=tma_store),
+                        warps, ctas_per_sm, block_n * block_k, consumers)
+
+    c = default_config(gluon=True, warp_specialized=True)
+    report["ws_wgrad_64x128"] = ws_wgrad(64, 128, 4, 4, 2, False, 1)
+    report["ws_wgrad_default"] = ws_wgrad(c.block_n, c.block_k, c.num_warps, c.num_stages, c.ctas_per_sm, c.tma_store,
+                                          c.consumers)
+    for consumers in (1, 2):
+        for tma_store in (False, True):
+            report[f"ws_wgrad_{consumers}{'_tma' if tma_store else ''}"] = ws_wgrad(
+                128, 128, 8, c.num_stages, 1, tma_store, consumers)
     return report
+
+
+def _most_registers_asked(name: str, consumers: int) -> int:
+    """Warp-specialised builds: the consumers take the producer's registers (232 at one consumer warpgroup
+    and two CTAs per SM, 240 at two warpgroups in one partition and one CTA; with two consumer
+    partitions Triton gives the default one 256, the other 240); the other kernels do not reallocate."""
+    if not name.startswith("ws_"):
+        return 0
+    return 232 if name == "ws_wgrad_64x128" else 256 if consumers == 2 else 240
 
 
 def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
@@ -74,21 +98,21 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
-    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128", "ws_plain",
-                           "ws_wgrad", "ws_wgrad_default"}
+    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128", "ws_plain_1",
+                           "ws_plain_2", "ws_wgrad_64x128", "ws_wgrad_default", "ws_wgrad_1", "ws_wgrad_1_tma",
+                           "ws_wgrad_2", "ws_wgrad_2_tma"}
     for name, r in report.items():
         # no spills, also at 255 registers (the wgrad's 64x128 on one warpgroup, 128x128 on two): its
         # column scales are read from shared memory at the promotion, not held in registers
         assert r["stack"] == 0, (name, r)
-        assert r["qgmma"] == 16, (name, r)  # 4 per block x 4 issue sites
-        assert r["qgmma_grouped"] == 12, (name, r)  # 3 of each block's 4 join the group the 4th commits
-        assert r["wait_le1"] >= 3, (name, r)  # the loop's two waits and the tail's first
+        copies = r.get("consumers", 1)  # two consumer partitions: two copies of the loop
+        assert r["qgmma"] == 16 * copies, (name, r)  # 4 per block x 4 issue sites
+        assert r["qgmma_grouped"] == 12 * copies, (name, r)  # 3 of each block's 4 join the group the 4th commits
+        assert r["wait_le1"] >= 3 * copies, (name, r)  # the loop's two waits and the tail's first
         assert r["shared"] <= 227 * 1024, (name, r)
-        # warp-specialised: the consumers take the producer's registers (232 at one consumer warpgroup
-        # and two CTAs per SM, 240 at two warpgroups and one CTA); the others do not reallocate
-        assert r["setmaxnreg_max"] == {"ws_plain": 240, "ws_wgrad": 232, "ws_wgrad_default": 240}.get(name, 0), (name, r)
+        assert r["setmaxnreg_max"] == _most_registers_asked(name, r.get("consumers", 1)), (name, r)
     # two CTAs of the warp-specialised wgrad share an SM's 227 KB
-    assert 2 * report["ws_wgrad"]["shared"] <= 227 * 1024, report["ws_wgrad"]
+    assert 2 * report["ws_wgrad_64x128"]["shared"] <= 227 * 1024, report["ws_wgrad_64x128"]
 
 
 def _operands(device="cpu"):
@@ -131,8 +155,8 @@ def test_wgrad_engine_choice_and_errors():
     a, _ = _operands()
     g = x = QuantizedRows(data_t=a, scale_t=torch.ones(2, 256))
     cfg = W.default_config()
-    assert W.WGRAD_ENGINE == "triton" and not W._on_gluon(None, g, x) and not W._on_gluon(cfg, g, x)
-    assert not W._on_gluon(dataclasses.replace(cfg, engine="auto"), g, x)  # no GPU here
+    assert W.WGRAD_ENGINE == "auto" and not W._on_gluon(None, g, x) and not W._on_gluon(cfg, g, x)  # no GPU here
+    assert not W._on_gluon(dataclasses.replace(cfg, engine="triton"), g, x)
     with pytest.raises(ValueError, match=r"engine='gluon': the Gluon FP8 block wgrad needs an sm_90 GPU"):
         W._on_gluon(dataclasses.replace(cfg, engine="gluon"), g, x)
     with pytest.raises(ValueError, match=r"engine: expected 'auto', 'gluon' or 'triton', got 'cublas'"):
@@ -160,13 +184,21 @@ def test_engines_on_names_the_kernels_and_why(monkeypatch):
     from te_fused_moe.backends.triton.fp8_block import gemm, wgrad
 
     cpu = torch.device("cpu")
-    assert gemm.engines_on(cpu) == {
-        "plain GEMMs": "triton (the Gluon kernels are written for sm_90 (Hopper); this is cpu)",
-        "FC1 / dGLU": "fc1: one kernel, dact: one kernel", "wgrad": "triton"}
+    why = "the Gluon kernels are written for sm_90 (Hopper); this is cpu"
+    assert gemm.engines_on(cpu) == {"plain GEMMs": f"triton ({why})", "FC1 / dGLU": "fc1: one kernel, dact: one kernel",
+                                    "wgrad": f"triton ({why})"}
     monkeypatch.setattr(gemm, "FC1_EPILOGUE", "separate")
     monkeypatch.setattr(wgrad, "WGRAD_ENGINE", "gluon")
     e = gemm.engines_on(cpu)
-    assert e["FC1 / dGLU"] == "fc1: GEMM + epilogue alone, dact: one kernel" and e["wgrad"] == "triton", e
+    assert e["FC1 / dGLU"] == "fc1: GEMM + epilogue alone, dact: one kernel" and e["wgrad"] == f"triton ({why})", e
+    # where the Gluon kernels run (the check of the GPU passed), which kind of Gluon kernel
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(wgrad, "WGRAD_WARP_SPECIALIZED", False)
+    e = gemm.engines_on(torch.device("cuda", 0))
+    assert e["plain GEMMs"] == "gluon, warp-specialised" and e["wgrad"] == "gluon, load cursor", e
+    monkeypatch.setattr(wgrad, "WGRAD_ENGINE", "triton")
+    assert gemm.engines_on(torch.device("cuda", 0))["wgrad"] == "triton (WGRAD_ENGINE)"
 
 
 def test_warp_specialized_register_budget():

@@ -21,7 +21,9 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py
   one-program-per-tile launch.
 - The warp-specialised kernels (``fp8_block/wgmma_ws.py``: a producer warp loads, the consumers
   compute; engine label ``gluon-ws`` here) go through every check above too, and must be bitwise
-  equal to the cursor kernels on random data.
+  equal to the cursor kernels on random data; also with two consumer partitions, a warpgroup per
+  half of each tile's rows (``gluon-ws2``), and the wgrad with its dw tiles stored by TMA
+  (``gluon-ws-tma``, ``gluon-ws2-tma``).
 """
 
 from __future__ import annotations
@@ -71,20 +73,24 @@ def _reference(aq, wq, counts, bias):
     return ref, mag, row
 
 
-GLUON_ENGINES = ("gluon", "gluon-ws")
+GLUON_ENGINES = ("gluon", "gluon-ws", "gluon-ws2")
+# engine label -> config fields; the wgrad's two-partition labels also take 128x128 tiles on 8 warps
+_LABELS = {"triton": dict(), "gluon": dict(warp_specialized=False), "gluon-ws": dict(warp_specialized=True),
+           "gluon-ws2": dict(warp_specialized=True, consumers=2)}
+_WGRAD_TWO_PARTITIONS = dict(block_n=128, block_k=128, num_warps=8, num_stages=4, ctas_per_sm=1)
 
 
 def _engine(label):
-    """A test's engine label -> (engine, warp_specialized)."""
-    return ("gluon", True) if label == "gluon-ws" else (label, False)
+    """A test's engine label -> (engine, config fields)."""
+    return ("triton" if label == "triton" else "gluon"), _LABELS[label]
 
 
 def _run(label, aq, wq, counts, sched, bias, n, **config):
     from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
 
-    engine, ws = _engine(label)
+    engine, fields = _engine(label)
     c = torch.full((aq.data.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine, warp_specialized=ws, **config)
+    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine, **fields, **config)
     gemm.launch("fc2", aq.data, aq.scale, wq.data, wq.scale, n, sched, counts.numel(), Q.FP8Spec(), c=c, bias=bias,
                 config=cfg)
     return c
@@ -118,14 +124,14 @@ def test_random_data_vs_fp64_and_triton(k_blocks, fmt, with_bias, routing):
         errs[engine] = dict(far=far, nan=int(torch.isnan(out).sum()), pad=int((out[routed:] != 0).sum()),
                             rel=float(diff.norm() / ref[:routed].norm()))
     g_out, t_out = _run("gluon", aq, wq, counts, sched, bias, 384), _run("triton", aq, wq, counts, sched, bias, 384)
-    ws_out = _run("gluon-ws", aq, wq, counts, sched, bias, 384)
+    ws_outs = [_run(label, aq, wq, counts, sched, bias, 384) for label in ("gluon-ws", "gluon-ws2")]
     errs["bitwise_equal_fraction"] = float((g_out == t_out).double().mean())
     print("WGMMA_RANDOM", k_blocks, fmt, json.dumps(errs))
     for engine in GLUON_ENGINES + ("triton",):
         e = errs[engine]
         assert e["far"] == 0 and e["nan"] == 0 and e["pad"] == 0, (engine, errs)
     assert errs["gluon"]["rel"] <= 1.05 * errs["triton"]["rel"] + 1e-6, errs
-    assert torch.equal(ws_out, g_out)  # same tiles, same K order, same promotion code
+    assert all(torch.equal(o, g_out) for o in ws_outs)  # same tiles, same K order, same promotion code
 
 
 def test_no_host_syncs_and_dgrad_shapes():
@@ -185,13 +191,16 @@ def _wgrad_reference(gq, xq, counts, sched, N, K):
 
 
 def _run_wgrad(label, gq, xq, sched, dw_shape, **tiles):
+    """``label`` "...-tma": the warp-specialised wgrad storing dw by TMA."""
     from te_fused_moe.backends.triton.fp8_block import wgrad as W
 
-    engine, ws = _engine(label)
+    engine, fields = _engine(label.replace("-tma", ""))
+    if fields.get("consumers") == 2:
+        tiles = dict(tiles, **_WGRAD_TWO_PARTITIONS)
     dw = torch.full(dw_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
     base = W.default_config(gluon=engine == "gluon")
-    W.fp8_grouped_wgrad(gq, xq, sched, dw, config=dataclasses.replace(base, engine=engine, warp_specialized=ws,
-                                                                      **tiles))
+    W.fp8_grouped_wgrad(gq, xq, sched, dw, config=dataclasses.replace(base, engine=engine, **fields,
+                                                                      tma_store=label.endswith("-tma"), **tiles))
     return dw
 
 
@@ -202,7 +211,8 @@ def test_wgrad_exact_on_integer_data(tiles):
     gq, xq, counts, sched = _wgrad_problem(900, 256, 384, 6, True, seed=1)
     ref, _ = _wgrad_reference(gq, xq, counts, sched, 256, 384)
     assert 0 in counts.tolist() and max(counts.tolist()) > 128  # empty experts, several token blocks
-    for engine, kw in (("gluon", tiles), ("gluon-ws", tiles), ("triton", {})):
+    for engine, kw in (("gluon", tiles), ("gluon-ws", tiles), ("gluon-ws-tma", tiles), ("gluon-ws2", tiles),
+                       ("gluon-ws2-tma", tiles), ("triton", {})):
         dw = _run_wgrad(engine, gq, xq, sched, (6, 256, 384), **kw)
         bad = int((dw != ref.to(torch.bfloat16)).sum())
         print("WGRAD_EXACT", engine, tiles, bad)
@@ -214,7 +224,7 @@ def test_wgrad_random_data_vs_fp64_and_triton(routing):
     gq, xq, counts, sched = _wgrad_problem(3000, 512, 640, 8, False, seed=7, routing=routing)
     ref, mag = _wgrad_reference(gq, xq, counts, sched, 512, 640)
     errs, outs = {}, {}
-    for engine in GLUON_ENGINES + ("triton",):
+    for engine in GLUON_ENGINES + ("gluon-ws-tma", "gluon-ws2-tma", "triton"):
         dw = outs[engine] = _run_wgrad(engine, gq, xq, sched, (8, 512, 640))
         diff = (dw.double() - ref).abs()
         errs[engine] = dict(far=int((diff > 2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag).sum()),
@@ -223,7 +233,8 @@ def test_wgrad_random_data_vs_fp64_and_triton(routing):
     for e in errs.values():
         assert e["far"] == 0 and e["nan"] == 0, errs
     assert errs["gluon"]["rel"] <= 1.05 * errs["triton"]["rel"] + 1e-6, errs
-    assert torch.equal(outs["gluon-ws"], outs["gluon"])
+    assert all(torch.equal(outs[label], outs["gluon"]) for label in ("gluon-ws", "gluon-ws-tma", "gluon-ws2",
+                                                                      "gluon-ws2-tma"))
 
 
 # experts: runs of empty ones, one-block ones (1 and 128 tokens), several blocks; 7 padding rows
@@ -254,7 +265,7 @@ def test_persistent_plain_exact_on_integer_data(monkeypatch, programs, engine):
 @pytest.mark.parametrize("programs,tiles", [(1, {}), (2, {}), (5, dict(block_n=64, block_k=64, num_warps=4)),
                                             (None, dict(ctas_per_sm=0)),
                                             (None, dict(block_n=64, block_k=64, num_warps=4, ctas_per_sm=3))])
-@pytest.mark.parametrize("engine", GLUON_ENGINES)
+@pytest.mark.parametrize("engine", GLUON_ENGINES + ("gluon-ws-tma", "gluon-ws2-tma"))
 def test_persistent_wgrad_exact_on_integer_data(monkeypatch, programs, tiles, engine):
     counts = torch.tensor(_PERSISTENT_COUNTS)
     N, K = 256, 384

@@ -96,6 +96,7 @@ class FP8GemmConfig:
     # session 6's kernel, which had no load cursor (1.12 / 2.08 / 1.97)
     ctas_per_sm: int = 1
     warp_specialized: Optional[bool] = None  # the Gluon plain GEMM; None = PLAIN_WARP_SPECIALIZED
+    consumers: int = 1  # warp-specialised: consumer partitions (2: a warpgroup per half of the tile's rows)
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
@@ -396,12 +397,15 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     if mode != MODE_PLAIN and cfg.block_n != BLOCK:
         raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")
     if mode == MODE_PLAIN and _plain_on_gluon(cfg, a, b):
+        args = (a, a_scale, b, b_scale, n, schedule, num_experts, c, bias)
+        tiles = dict(group_m=cfg.group_m, num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm)
         if PLAIN_WARP_SPECIALIZED if cfg.warp_specialized is None else cfg.warp_specialized:
             from .wgmma_ws import launch_plain
-        else:
-            from .wgmma_gemm import launch_plain
-        return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
-                            num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm)
+
+            return launch_plain(*args, consumers=cfg.consumers, **tiles)
+        from .wgmma_gemm import launch_plain
+
+        return launch_plain(*args, **tiles)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
     if acc_in:
         # the GEMM alone (all of B's rows: FC1's gate and up halves) into FP32 with the fastest plain
@@ -489,10 +493,14 @@ def engines_on(device: torch.device) -> dict:
     gluon = why_not is None and PLAIN_ENGINE != "triton"
     separate = {kind: how == "separate" or (how == "auto" and gluon)
                 for kind, how in (("fc1", FC1_EPILOGUE), ("dact", DACT_EPILOGUE))}
+    def gluon_kind(warp_specialized: bool) -> str:
+        return "gluon, warp-specialised" if warp_specialized else "gluon, load cursor"
+
+    wgrad_gluon = wgrad.WGRAD_ENGINE in ("gluon", "auto") and why_not is None
     return {
-        "plain GEMMs": "gluon" if gluon else f"triton ({why_not or 'PLAIN_ENGINE'})",
+        "plain GEMMs": gluon_kind(PLAIN_WARP_SPECIALIZED) if gluon else f"triton ({why_not or 'PLAIN_ENGINE'})",
         "FC1 / dGLU": ", ".join(f"{k}: {'GEMM + epilogue alone' if v else 'one kernel'}" for k, v in separate.items()),
-        "wgrad": "gluon" if wgrad.WGRAD_ENGINE in ("gluon", "auto") and why_not is None else "triton",
+        "wgrad": gluon_kind(wgrad.WGRAD_WARP_SPECIALIZED) if wgrad_gluon else f"triton ({why_not or 'WGRAD_ENGINE'})",
     }
 
 

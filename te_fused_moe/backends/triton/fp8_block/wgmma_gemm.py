@@ -297,7 +297,8 @@ def fp8_block_wgrad_wgmma_kernel(
 @gluon.jit
 def _promoted_mainloop(ring, used, k_first, k_tiles, cursor, src, row_scales, stride_row_scales, col_scales,
                        stride_col_scales, mma: gl.constexpr, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr,
-                       KIND: gl.constexpr, GROUP: gl.constexpr, PRODUCER: gl.constexpr = False):
+                       KIND: gl.constexpr, GROUP: gl.constexpr, PRODUCER: gl.constexpr = False,
+                       BAND: gl.constexpr = 0, BANDS: gl.constexpr = 1):
     """sum over K blocks ``k_first .. k_first + k_tiles - 1`` (``k_tiles >= 1``) of ``dot(A block, B
     block^T) * scale`` in FP32, with block ``k``'s wgmma running while block ``k-1`` is promoted.
     The blocks were loaded by the ``cursor`` (:func:`_load_next`) into the ring's stages from
@@ -305,33 +306,34 @@ def _promoted_mainloop(ring, used, k_first, k_tiles, cursor, src, row_scales, st
     tiles. Returns the sum and the cursor. Scales: per row of A (:func:`_row_scale`) times one
     scalar of B per block, or (``OUTER``) times B's per-row scales from the ring (:func:`_retire`).
     ``PRODUCER``: a producer partition fills the ring (:mod:`.wgmma_ws`); each block retired hands its
-    stage back to it and ``cursor`` / ``src`` are unused."""
-    BLOCK_M: gl.constexpr = ring[0].block_type.shape[0]
-    BLOCK_N: gl.constexpr = ring[1].block_type.shape[0]
+    stage back to it and ``cursor`` / ``src`` are unused; its consumers may each take a band of A's
+    rows (``BAND`` of ``BANDS``, :func:`_a_tile`)."""
+    BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
+    BLOCK_N: gl.constexpr = ring[3].shape[1]
     # Two register tiles take turns (X, Y): the loop runs two K blocks per trip so that neither is ever
     # copied; a copy of a tile whose wgmma is in flight makes ptxas serialise every wgmma (C7514). So
     # does a phi of an in-flight tile that ptxas cannot coalesce, which small changes here provoke:
     # tests/test_fp8_block_wgmma.py checks the build. Row scales load one block ahead.
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     spare = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    in_flight = _issue(ring, used, spare, NUM_STAGES)
+    in_flight = _issue(ring, used, spare, NUM_STAGES, BAND, BANDS)
     if not PRODUCER:
         cursor = _resolve_after(cursor, src, BLOCK_M, BLOCK_N, KIND, GROUP)
     rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first, OUTER)
     for k in range(1, k_tiles - 1, 2):
         rs_k = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k, OUTER)
-        issued = _issue(ring, used + k, spare, NUM_STAGES)
+        issued = _issue(ring, used + k, spare, NUM_STAGES, BAND, BANDS)
         done, cs, cursor = _retire(ring, in_flight, 1, used + k - 1, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, done, rs, cs, OUTER)
         rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k + 1, OUTER)
-        in_flight = _issue(ring, used + k + 1, done, NUM_STAGES)
+        in_flight = _issue(ring, used + k + 1, done, NUM_STAGES, BAND, BANDS)
         spare, cs, cursor = _retire(ring, issued, 1, used + k, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, spare, rs_k, cs, OUTER)
     # both branches end with every wgmma waited for: a token leaving an if would merge X and Y (a copy)
     if k_tiles % 2 == 0:
         # one K block left after the pairs
         last = k_tiles - 1
-        issued = _issue(ring, used + last, spare, NUM_STAGES)
+        issued = _issue(ring, used + last, spare, NUM_STAGES, BAND, BANDS)
         done, cs, cursor = _retire(ring, in_flight, 1, used + last - 1, cursor, src, NUM_STAGES, OUTER, PRODUCER)
         acc = _promote(acc, done, rs, cs, OUTER)
         rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + last, OUTER)
@@ -369,13 +371,25 @@ def _promote(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 
 
 @gluon.jit
-def _issue(ring, j, out, NUM_STAGES: gl.constexpr):
-    """Waits for the tiles of the ring's ``j``-th K block and issues its wgmma into ``out``'s registers
-    (not accumulated)."""
-    a_bufs, b_bufs, ready = ring[2], ring[3], ring[4]
+def _a_tile(ring, stage, BAND: gl.constexpr, BANDS: gl.constexpr):
+    """A's tile in ring stage ``stage``: all its rows (``BANDS`` = 1) or, where a warp-specialised
+    kernel's consumer takes a band of them (:mod:`.wgmma_ws`), band ``BAND`` of ``BANDS``."""
+    a = ring[2].index(stage)
+    if BANDS > 1:
+        rows: gl.constexpr = a.shape[0] // BANDS
+        a = a.slice(BAND * rows, rows)
+    return a
+
+
+@gluon.jit
+def _issue(ring, j, out, NUM_STAGES: gl.constexpr, BAND: gl.constexpr = 0, BANDS: gl.constexpr = 1):
+    """Waits for the tiles of the ring's ``j``-th K block and issues its wgmma (A's rows: :func:`_a_tile`)
+    into ``out``'s registers (not accumulated)."""
+    b_bufs, ready = ring[3], ring[4]
     stage = j % NUM_STAGES
     mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
-    return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), out, use_acc=False, is_async=True)
+    return warpgroup_mma(_a_tile(ring, stage, BAND, BANDS), b_bufs.index(stage).permute((1, 0)), out, use_acc=False,
+                         is_async=True)
 
 
 @gluon.jit

@@ -27,6 +27,7 @@ from . import wgmma_gemm as W
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can be given: it only issues TMA copies
 REGISTER_FILE = 64 * 1024  # 32-bit registers per SM (sm_90)
+FIRST_BAND, SECOND_BAND = gl.constexpr(0), gl.constexpr(1)  # the consumers' bands of a tile's rows
 
 
 @gluon.jit
@@ -61,9 +62,9 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
-def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr):
+def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr, CONSUMERS: gl.constexpr):
     """:func:`.wgmma_gemm._operand_ring`'s stages and ``ready`` barriers plus an ``empty`` barrier per
-    stage (arrived on by the consumers when they are done with it), no cursor."""
+    stage (each of the ``CONSUMERS`` partitions arrives on it when done with the stage), no cursor."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, a_desc.block_type.shape[0], BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, b_desc.block_type.shape[0], BLOCK_K], b_desc.layout)
@@ -75,25 +76,29 @@ def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     return a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty
 
 
 @gluon.jit
-def _plain_consumer(ring, src, as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk,
-                    c_ptr, stride_cm, bias_ptr, stride_bias_e, T, N, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _plain_consumer(ring, src, params, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    BAND: gl.constexpr, BANDS: gl.constexpr, num_warps: gl.constexpr):
     """The plain GEMM's tiles (:func:`.wgmma_gemm.fp8_block_gemm_wgmma_kernel`'s loop, its loads left to
-    the producer)."""
-    BLOCK_M: gl.constexpr = ring[0].block_type.shape[0]
+    the producer), rows ``BAND`` of ``BANDS`` of each tile on ``num_warps`` warps; ``params``: the
+    kernel's runtime arguments from ``as_ptr`` to ``N`` but the schedule."""
+    (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk, c_ptr, stride_cm, bias_ptr,
+     stride_bias_e, T, N) = params
+    TILE_M: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_N: gl.constexpr = ring[1].block_type.shape[0]
+    BLOCK_M: gl.constexpr = TILE_M // BANDS
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
     sched_ptr, NUM_GROUPS, k_tiles = src[0], src[5], src[7]
     used = 0
     for tile in range(gl.program_id(0), src[1], src[2]):
         pid_m, pid_n, group, row0, row_end, num_tiles = W._tile_of(tile, sched_ptr, src[3], src[4], NUM_GROUPS,
-                                                                   BLOCK_M, GROUP_M)
+                                                                   TILE_M, GROUP_M)
+        row0 += BAND * BLOCK_M
         if pid_m < num_tiles:
             if group == NUM_GROUPS - 1:
                 W._store_rows(c_ptr, stride_cm, row0, row_end, pid_n * BLOCK_N,
@@ -101,9 +106,10 @@ def _plain_consumer(ring, src, as_ptr, stride_asm, stride_ask, bs_ptr, stride_bs
             else:
                 rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), T - 1)
                 sb_ptr = bs_ptr + group.to(gl.int64) * stride_bse + ((pid_n * BLOCK_N) // 128) * stride_bsn
-                acc, _ = W._promoted_mainloop(ring, used, 0, k_tiles, gl.to_tensor(0), src, as_ptr + rows.to(gl.int64) * stride_asm,
-                                              stride_ask, sb_ptr, stride_bsk, mma, NUM_STAGES, False, W.KIND_PLAIN,
-                                              GROUP_M, True)
+                acc, _ = W._promoted_mainloop(ring, used, 0, k_tiles, gl.to_tensor(0), src,
+                                              as_ptr + rows.to(gl.int64) * stride_asm, stride_ask, sb_ptr, stride_bsk,
+                                              mma, NUM_STAGES, False, W.KIND_PLAIN, GROUP_M, True,
+                                              BAND, BANDS)
                 used += k_tiles
                 if HAS_BIAS:
                     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -117,61 +123,104 @@ def fp8_block_gemm_ws_kernel(
     b_desc, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS,
     c_ptr, stride_cm, bias_ptr, stride_bias_e, sched_ptr,
     T, N, K, MAX_M_TILES, NUM_GROUPS,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+    CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """:func:`.wgmma_gemm.fp8_block_gemm_wgmma_kernel` (same arguments), warp-specialised."""
+    """:func:`.wgmma_gemm.fp8_block_gemm_wgmma_kernel` (same arguments), warp-specialised: ``CONSUMERS``
+    partitions of ``num_warps`` warps each."""
     num_pid_n = N // b_desc.block_type.shape[0]
     k_tiles = K // a_desc.block_type.shape[1]
     src = (sched_ptr, MAX_M_TILES * num_pid_n, gl.num_programs(0), MAX_M_TILES, num_pid_n, NUM_GROUPS, B_ROWS,
            k_tiles)
-    ring = _ring(a_desc, b_desc, a_desc, NUM_STAGES, False)
-    gl.warp_specialize([
-        (_plain_consumer, (ring, src, as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk,
-                           c_ptr, stride_cm, bias_ptr, stride_bias_e, T, N, HAS_BIAS, GROUP_M, NUM_STAGES, num_warps)),
-        (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    ring = _ring(a_desc, b_desc, a_desc, NUM_STAGES, False, CONSUMERS)
+    p = (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk, c_ptr, stride_cm, bias_ptr,
+         stride_bias_e, T, N)
+    # one consumer partition (the default one) or two, each a warpgroup taking half of every tile's rows,
+    # handing its stages back and waiting at its own barriers, not in step with the other. (The
+    # partitions' argument tuples are written out: a tuple built by concatenation or bound to a name
+    # reaches them with its constexprs turned into Python values, which they cannot take.)
+    if CONSUMERS == 1:
+        gl.warp_specialize([(_plain_consumer, (ring, src, p, HAS_BIAS, GROUP_M, NUM_STAGES, FIRST_BAND, CONSUMERS,
+                                               num_warps)),
+                            (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False))],
+                           [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    else:
+        gl.warp_specialize([(_plain_consumer, (ring, src, p, HAS_BIAS, GROUP_M, NUM_STAGES, FIRST_BAND, CONSUMERS,
+                                               num_warps)),
+                            (_plain_consumer, (ring, src, p, HAS_BIAS, GROUP_M, NUM_STAGES, SECOND_BAND, CONSUMERS,
+                                               num_warps)),
+                            (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False))],
+                           [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 @gluon.jit
-def _wgrad_consumer(ring, src, gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N,
-                    GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    TMA_STORE: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr, num_warps: gl.constexpr):
     """The wgrad's tiles (:func:`.wgmma_gemm.fp8_block_wgrad_wgmma_kernel`'s loop, its loads left to the
-    producer)."""
-    BLOCK_N: gl.constexpr = ring[0].block_type.shape[0]
+    producer), rows ``BAND`` of ``BANDS`` of each tile on ``num_warps`` warps. ``TMA_STORE``: each dw
+    tile goes out through a shared-memory staging tile and a TMA store that runs under the next tile's
+    mainloop (``dw_desc``: dw as [E * N, K] in boxes of this band's rows). ``params``: the kernel's
+    runtime arguments gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N."""
+    gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N = params
+    TILE_N: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_K: gl.constexpr = ring[1].block_type.shape[0]
+    BLOCK_N: gl.constexpr = TILE_N // BANDS
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_K, 32])
+    if TMA_STORE:
+        staging = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     used = 0
     for tile in range(gl.program_id(0), src[1], src[2]):
         expert, pid_n, pid_k, tile_start, tile_end = W._wgrad_tile(tile, src[0], src[3], src[4], src[5], GROUP_N)
-        dw_tile = dw_ptr + expert.to(gl.int64) * stride_dw_e
+        row0 = pid_n * TILE_N + BAND * BLOCK_N
         if tile_end > tile_start:
-            rows_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-            acc, _ = W._promoted_mainloop(ring, used, tile_start, tile_end - tile_start, gl.to_tensor(0), src, gs_ptr + rows_n,
-                                          stride_gst, gs_ptr, 0, mma, NUM_STAGES, True, W.KIND_WGRAD, GROUP_N, True)
+            rows_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+            acc, _ = W._promoted_mainloop(ring, used, tile_start, tile_end - tile_start, gl.to_tensor(0), src,
+                                          gs_ptr + rows_n, stride_gst, gs_ptr, 0, mma, NUM_STAGES, True, W.KIND_WGRAD,
+                                          GROUP_N, True, BAND, BANDS)
             used += tile_end - tile_start
-            W._store_rows(dw_tile, stride_dw_n, pid_n * BLOCK_N, N, pid_k * BLOCK_K, acc, BLOCK_N, BLOCK_K, num_warps)
         else:
-            W._store_rows(dw_tile, stride_dw_n, pid_n * BLOCK_N, N, pid_k * BLOCK_K,
-                          gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma), BLOCK_N, BLOCK_K, num_warps)
+            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma)
+        if TMA_STORE:
+            tma.store_wait(0)  # the previous tile's store has read the staging tile
+            gl.thread_barrier()
+            staging.store(acc.to(dw_desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dw_desc, [expert * N + row0, pid_k * BLOCK_K], staging)
+        else:
+            W._store_rows(dw_ptr + expert.to(gl.int64) * stride_dw_e, stride_dw_n, row0, N, pid_k * BLOCK_K, acc,
+                          BLOCK_N, BLOCK_K, num_warps)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def fp8_block_wgrad_ws_kernel(
-    g_desc, gs_ptr, stride_gst, x_desc, xs_desc, dw_ptr, stride_dw_e, stride_dw_n,
+    g_desc, gs_ptr, stride_gst, x_desc, xs_desc, dw_ptr, dw_desc, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
-    GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMERS: gl.constexpr,
+    CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """:func:`.wgmma_gemm.fp8_block_wgrad_wgmma_kernel` (same arguments), warp-specialised."""
+    """:func:`.wgmma_gemm.fp8_block_wgrad_wgmma_kernel`'s arguments (plus ``dw_desc``, used with
+    ``TMA_STORE``), warp-specialised: ``CONSUMERS`` partitions of ``num_warps`` warps each."""
     tiles_n = N // g_desc.block_type.shape[0]
     tiles_k = K // x_desc.block_type.shape[0]
     src = (sched_ptr, (NUM_GROUPS - 1) * tiles_n * tiles_k, gl.num_programs(0), tiles_n, tiles_k, NUM_GROUPS, 0, 0)
-    ring = _ring(g_desc, x_desc, xs_desc, NUM_STAGES, True)
-    gl.warp_specialize([
-        (_wgrad_consumer, (ring, src, gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N, GROUP_N, NUM_STAGES,
-                           num_warps)),
-        (_producer, (ring, src, W.KIND_WGRAD, GROUP_N, NUM_STAGES, True)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    ring = _ring(g_desc, x_desc, xs_desc, NUM_STAGES, True, CONSUMERS)
+    p = (gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N)
+    if CONSUMERS == 1:  # as in fp8_block_gemm_ws_kernel
+        gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, FIRST_BAND,
+                                               CONSUMERS, num_warps)),
+                            (_producer, (ring, src, W.KIND_WGRAD, GROUP_N, NUM_STAGES, True))],
+                           [PRODUCER_WARPS], [PRODUCER_REGISTERS])
+    else:
+        gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, FIRST_BAND,
+                                               CONSUMERS, num_warps)),
+                            (_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, SECOND_BAND,
+                                               CONSUMERS, num_warps)),
+                            (_producer, (ring, src, W.KIND_WGRAD, GROUP_N, NUM_STAGES, True))],
+                           [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 def launch_maxnreg(consumer_warps: int, ctas_per_sm: int, tile_elements: int = 128 * 128) -> int:
@@ -190,10 +239,29 @@ def launch_maxnreg(consumer_warps: int, ctas_per_sm: int, tile_elements: int = 1
     return regs
 
 
+def consumer_registers(consumer_warps: int, maxnreg: int) -> int:
+    """Registers per thread each consumer gets: the launch cap's pool over the consumer warps plus the
+    producer's warpgroup, less the producer's 24 per thread, shared by the consumers (multiple of 8)."""
+    pool = maxnreg * (consumer_warps + 4) - PRODUCER_REGISTERS.value * 4
+    return min(248, pool // consumer_warps // 8 * 8)
+
+
+def _partitions(num_warps: int, consumers: int, ctas_per_sm: int, tile_elements: int) -> dict:
+    """Launch keywords of a warp-specialised kernel: ``num_warps`` consumer warps in ``consumers``
+    partitions (1, or 2 warpgroups taking half of each tile's rows), the register caps."""
+    if consumers not in (1, 2) or num_warps % (4 * consumers):
+        raise ValueError(f"consumers: expected 1, or 2 with num_warps a multiple of 8, got {consumers} with "
+                         f"num_warps={num_warps}")
+    maxnreg = launch_maxnreg(num_warps, ctas_per_sm, tile_elements)
+    return dict(num_warps=num_warps // consumers, CONSUMERS=consumers, maxnreg=maxnreg,
+                CONSUMER_REGISTERS=consumer_registers(num_warps, maxnreg))
+
+
 def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
                  schedule: torch.Tensor, num_experts: int, c: torch.Tensor, bias=None, group_m: int = 8,
-                 num_stages: int = W.STAGES, ctas_per_sm: int = 1):
-    """:func:`.wgmma_gemm.launch_plain`, warp-specialised (always persistent: ``ctas_per_sm`` >= 1)."""
+                 num_stages: int = W.STAGES, ctas_per_sm: int = 1, consumers: int = 1):
+    """:func:`.wgmma_gemm.launch_plain`, warp-specialised (always persistent: ``ctas_per_sm`` >= 1),
+    ``consumers`` consumer partitions (see :func:`_partitions`)."""
     import triton
 
     from ..schedule import max_m_tiles
@@ -208,21 +276,41 @@ def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         b_desc, b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
         c, c.stride(0), bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, schedule,
         num_rows, n, k, m_tiles, num_experts + 1,
-        HAS_BIAS=bias is not None, GROUP_M=group_m, NUM_STAGES=num_stages, num_warps=W.NUM_WARPS,
-        maxnreg=launch_maxnreg(W.NUM_WARPS, max(1, ctas_per_sm)),
+        HAS_BIAS=bias is not None, GROUP_M=group_m, NUM_STAGES=num_stages,
+        **_partitions(W.NUM_WARPS, consumers, max(1, ctas_per_sm), W.BM * W.BN),
     )
     return c
 
 
+def _store_descriptor(dw: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor of ``dw`` [E, N, K] as [E * N, K] in [block_n, block_k] boxes, or None where TMA
+    cannot store it (not contiguous, not 16-byte aligned, not 16-bit)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if dw.dtype not in _GL_16BIT or not dw.is_contiguous() or dw.data_ptr() % 16:
+        return None
+    flat = dw.view(dw.shape[0] * dw.shape[1], dw.shape[2])
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], _GL_16BIT[dw.dtype])
+    return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [block_n, block_k], layout)
+
+
+_GL_16BIT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
 def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, block_n: int = 64, block_k: int = 128,
-                 group_n: int = 8, num_stages: int = 4, num_warps: int = 4, ctas_per_sm: int = 2):
-    """:func:`.wgmma_gemm.launch_wgrad`, warp-specialised (always persistent: ``ctas_per_sm`` >= 1)."""
+                 group_n: int = 8, num_stages: int = 4, num_warps: int = 4, ctas_per_sm: int = 2,
+                 tma_store: bool = False, consumers: int = 1):
+    """:func:`.wgmma_gemm.launch_wgrad`, warp-specialised (always persistent: ``ctas_per_sm`` >= 1),
+    ``consumers`` consumer partitions (see :func:`_partitions`); ``tma_store``: dw tiles stored by TMA
+    where dw allows it (contiguous 16-bit)."""
     num_experts, n, k = dw.shape
     tiles = num_experts * (n // block_n) * (k // block_k)
+    launch = _partitions(num_warps, consumers, max(1, ctas_per_sm), block_n * block_k)
+    g_desc = W.descriptor(g.data_t, block_n)
+    dw_desc = _store_descriptor(dw, block_n // consumers, block_k) if tma_store else None
     fp8_block_wgrad_ws_kernel[(W.persistent_grid(tiles, dw.device, max(1, ctas_per_sm)),)](
-        W.descriptor(g.data_t, block_n), g.scale_t, g.scale_t.stride(0),
+        g_desc, g.scale_t, g.scale_t.stride(0),
         W.descriptor(x.data_t, block_k), W.scale_descriptor(x.scale_t, block_k),
-        dw, dw.stride(0), dw.stride(1), schedule, n, k, num_experts + 1,
-        GROUP_N=group_n, NUM_STAGES=num_stages, num_warps=num_warps,
-        maxnreg=launch_maxnreg(num_warps, max(1, ctas_per_sm), block_n * block_k),
+        dw, dw_desc if dw_desc is not None else g_desc, dw.stride(0), dw.stride(1), schedule, n, k, num_experts + 1,
+        GROUP_N=group_n, NUM_STAGES=num_stages, TMA_STORE=dw_desc is not None, **launch,
     )
