@@ -1,6 +1,8 @@
 """FP8 block GEMMs written in Gluon (Triton 3.6), with the scale promotion overlapped with the
 tensor cores: the plain grouped GEMM (FC2 forward, FC1 dgrad, and the GEMMs of FC1 / the dGLU when
-their epilogues run alone, see ``gemm.FC1_EPILOGUE``) and, opt-in, the wgrad.
+their epilogues run alone, see ``gemm.FC1_EPILOGUE``) and the wgrad, each a persistent kernel with a
+load cursor (below). Their mainloop (:func:`_promoted_mainloop`) also serves the warp-specialised
+kernels of :mod:`.wgmma_ws`, the default on sm_90 since run 19, where a producer partition loads.
 
 Why: :mod:`.gemm` (Triton) promotes every 128-wide K block with ``acc += dot(a, b^T) * scale``.
 Triton makes a wgmma asynchronous only when nothing but the next wgmma reads its result, so there

@@ -4,15 +4,26 @@ fills the ring ahead of the consumers, across tile boundaries.
 
 Why: in the persistent kernels of :mod:`.wgmma_gemm` the warps that run the wgmmas also step the
 load cursor (~75 uniform-datapath instructions per K block, run 18a) and wait at a CTA-wide barrier
-before each refill; ncu of the wgrads shows barrier and scoreboard stalls ahead of the tensor pipes
-(42% active). Here the consumer warps only wait for a stage, issue its wgmma, promote the previous
-block and hand its stage back (an ``empty`` mbarrier per stage); the producer's register budget goes
-to them (``setmaxnreg``: 232 registers at one consumer warpgroup and two CTAs per SM). Same tiles,
-same K order, same promotion code (:func:`.wgmma_gemm._promoted_mainloop`), so results are bitwise
-those of the other kernels (tests/gpu/test_fp8_block_wgmma_gpu.py).
+before each refill. Here the consumer warps only wait for a stage, issue its wgmma, promote the
+previous block and hand its stage back (an ``empty`` mbarrier per stage); the producer's register
+budget goes to them (``setmaxnreg``). Same tiles, same K order, same promotion code
+(:func:`.wgmma_gemm._promoted_mainloop`), so results are bitwise those of the other kernels
+(tests/gpu/test_fp8_block_wgmma_gpu.py). At DSv3 (run 19): FC2 0.97 vs 1.06 ms, FC1 dgrad 1.83 vs
+2.07; the wgrad 2.43 vs 2.82 ms (w1) for the Triton one.
+
+Options:
+- ``consumers`` = 2: two consumer partitions, a warpgroup per half of each tile's rows, each with its
+  own barrier and its own arrive on a stage's ``empty`` barrier (which counts two), so they do not
+  wait for each other every block (the wgrad's leading ncu stall with one partition, run 19d).
+- ``tma_store`` (wgrad): each dw tile goes out through a shared-memory staging tile and a TMA store
+  that runs under the next tile's mainloop: at ~8 token blocks per tile the store was most of the
+  per-tile overhead (run 19c).
 
 Register budget (``maxnreg`` at launch, per thread, over the warps rounded up to warpgroups): the
-producer's warpgroup gives back all but 24, the consumers get the rest (see :func:`launch_maxnreg`).
+producer's warpgroup gives back all but 24, the consumers get the rest (:func:`launch_maxnreg`,
+:func:`consumer_registers`). Gluon notes: the partitions' argument tuples are written out literally
+(see the kernels), and a consumer's band of A's rows is a slice of one stage's 2-D tile
+(:func:`.wgmma_gemm._a_tile`; a row slice of the 3-D ring asserts in Triton's layout code).
 """
 
 from __future__ import annotations
