@@ -250,14 +250,11 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # BF16 values; the default before run 15), NVFP4's weight cache holding BF16 values, and the FP8 block
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
-# with the plain GEMMs on the load-cursor Gluon kernel (the default before run 19, when the
-# warp-specialised one took over), or with the Triton wgrad (the default before run 19), or with the
-# warp-specialised wgrad's consumers in one partition (run 19's first default)
+# with the Triton wgrad (the default before run 19), or with the Gluon wgrad's consumers in one
+# partition (run 19's first default)
 VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
-                          "fp8_block_fused_cursor_plain": _fused_under(
-                              "fp8_block", gemm=dict(PLAIN_WARP_SPECIALIZED=False)),
                           "fp8_block_fused_triton_wgrad": _fused_under("fp8_block", wgrad=dict(WGRAD_ENGINE="triton")),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
                                                                               wgrad=dict(WGRAD_CONSUMERS=1))},
@@ -436,59 +433,25 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "default": {},
             # FC2 / FC1 dgrad on the Triton kernel (the default before the Gluon one)
             "plain_triton": dict(gemm_config=G(num_stages=4, plain_engine="triton")),
-            # the Gluon kernel's pipeline depth (4 x 32 KB of tiles by default) and L2 band
+            # the Gluon (warp-specialised) plain GEMM's pipeline depth (4 x 32 KB of tiles by default),
+            # L2 band and consumer partitions (2: a warpgroup per half of each tile's rows)
             "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
-            # the load-cursor Gluon wgrad (slower), persistent (ctas_per_sm programs per SM; 0: one per tile)
-            "wgrad_gluon": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon",
-                                               warp_specialized=False, ctas_per_sm=2)),
-            "wgrad_gluon_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                                                          engine="gluon", warp_specialized=False)),
-            "wgrad_gluon_128x128_w8_s3": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=3,
-                                                             engine="gluon", warp_specialized=False)),
-            "wgrad_gluon_128x64_w8": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=4,
-                                                         engine="gluon", warp_specialized=False)),
-            "wgrad_gluon_128x64_w8_2cta": dict(wgrad_config=W(block_n=128, block_k=64, num_warps=8, num_stages=3,
-                                                              engine="gluon", warp_specialized=False, ctas_per_sm=2)),
-            "wgrad_gluon_64x64_w4_3cta": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
-                                                             engine="gluon", warp_specialized=False, ctas_per_sm=3)),
-            "wgrad_gluon_64x128_w4_1cta": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4,
-                                                              engine="gluon", warp_specialized=False, ctas_per_sm=1)),
-            "wgrad_gluon_nonpersistent": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
-                                                             engine="gluon", warp_specialized=False, ctas_per_sm=0)),
-            # the plain GEMMs one program per tile (persistent, one per SM, is the default)
-            "plain_gluon_per_tile": dict(gemm_config=G(num_stages=4, ctas_per_sm=0)),
-            # warp-specialised Gluon kernels (wgmma_ws: a producer warp loads, the consumers compute;
-            # the default for the plain GEMMs since run 19) and the load-cursor kernel before them
-            "plain_cursor": dict(gemm_config=G(num_stages=4, warp_specialized=False)),
-            "plain_ws_s5": dict(gemm_config=G(num_stages=5, warp_specialized=True)),
-            # two consumer partitions, a warpgroup per half of each tile's rows (not in step)
-            "plain_ws2": dict(gemm_config=G(num_stages=4, warp_specialized=True, consumers=2)),
-            "wgrad_ws": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=4, engine="gluon",
-                                            ctas_per_sm=2, warp_specialized=True)),
-            "wgrad_ws_s3": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="gluon",
-                                               ctas_per_sm=2, warp_specialized=True)),
-            # the wgrads: the Triton kernel (the default before run 19), the warp-specialised Gluon one
-            # (the default since) storing dw without TMA, and at other tiles / stages / L2 bands
+            "plain_gluon_2_consumers": dict(gemm_config=G(num_stages=4, consumers=2)),
+            # the wgrads: the Triton kernel (the default before run 19) and the Gluon one at other tiles,
+            # stages, L2 bands, consumer partitions and without the TMA store of dw
             "wgrad_triton": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="triton")),
-            "wgrad_ws_128x128_w8": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
-                                                       engine="gluon", ctas_per_sm=1, warp_specialized=True)),
-            "wgrad_ws2": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5, engine="gluon",
-                                             ctas_per_sm=1, warp_specialized=True, tma_store=True, consumers=2)),
-            "wgrad_ws2_s4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4, engine="gluon",
-                                                ctas_per_sm=1, warp_specialized=True, tma_store=True, consumers=2)),
-            "wgrad_ws_128x128_w8_s4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                                                          engine="gluon", ctas_per_sm=1, warp_specialized=True,
-                                                          tma_store=True)),
-            "wgrad_ws_128x128_w8_g4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
-                                                          group_n=4, engine="gluon", ctas_per_sm=1,
-                                                          warp_specialized=True, tma_store=True)),
-            "wgrad_ws_128x128_w8_g16": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
-                                                           group_n=16, engine="gluon", ctas_per_sm=1,
-                                                           warp_specialized=True, tma_store=True)),
-            "wgrad_ws_64x64_w4_3cta": dict(wgrad_config=W(block_n=64, block_k=64, num_warps=4, num_stages=4,
-                                                          engine="gluon", ctas_per_sm=3, warp_specialized=True)),
+            "wgrad_gluon_1_consumer": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
+                                                          engine="gluon", tma_store=True)),
+            "wgrad_gluon_s5": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
+                                                  engine="gluon", tma_store=True, consumers=2)),
+            "wgrad_gluon_no_tma_store": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
+                                                            engine="gluon", consumers=2)),
+            "wgrad_gluon_g4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4, group_n=4,
+                                                  engine="gluon", tma_store=True, consumers=2)),
+            "wgrad_gluon_64x128_2cta": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
+                                                           engine="gluon", ctas_per_sm=2, tma_store=True)),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),

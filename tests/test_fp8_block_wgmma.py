@@ -1,15 +1,16 @@
-"""The Gluon FP8 block GEMM (``fp8_block/wgmma_gemm.py``) on a CPU machine: Gluon has no interpreter,
-so CI builds it for sm_90a offline and checks the property it exists for, and the engine choice.
-Its numerics run on the H200: tests/gpu/test_fp8_block_wgmma_gpu.py.
+"""The Gluon FP8 block GEMMs (``fp8_block/wgmma_ws.py``, warp-specialised, on the mainloop of
+``fp8_block/wgmma_gemm.py``) on a CPU machine: Gluon has no interpreter, so CI builds them for sm_90a
+offline and checks the properties they exist for, and the engine choice. Their numerics run on the
+H200: tests/gpu/test_fp8_block_wgmma_gpu.py.
 
-Build checks (ptxas from the Triton wheel), for the plain GEMM and the wgrad (persistent kernels
-with a load cursor running ahead across tiles): no spills; 4 FP8 wgmmas per 128-wide K block at each of
-the four issue sites (first block, the loop's two, the odd tail); the wgmmas of a block share one
-commit group (when a non-wgmma instruction touches an in-flight accumulator, ptxas serialises every
-wgmma and gives each its own group: C7514); waits that leave one group in flight (the promotion
-under the next wgmma); shared memory within the H200's 227 KB. The warp-specialised kernels
-(``fp8_block/wgmma_ws.py``) the same, plus the consumers' ``setmaxnreg``: the producer warp's
-registers must reach them.
+Build checks (ptxas from the Triton wheel), for the plain GEMM and the wgrad, as launched by default
+and in their other supported shapes (one or two consumer partitions; the wgrad at 64x128 on one
+warpgroup at two CTAs per SM, with and without the TMA store of dw): no spills; 4 FP8 wgmmas per
+128-wide K block at each of the four issue sites (first block, the loop's two, the odd tail) per
+consumer partition; the wgmmas of a block share one commit group (when a non-wgmma instruction touches
+an in-flight accumulator, ptxas serialises every wgmma and gives each its own group: C7514); waits
+that leave one group in flight (the promotion under the next wgmma); shared memory within the H200's
+227 KB; the consumers' ``setmaxnreg``: the producer warp's registers must reach them.
 """
 
 from __future__ import annotations
@@ -21,75 +22,59 @@ pytest.importorskip("triton", reason="the Triton backend's CPU tests need the tr
 
 
 def sm90_build_report() -> dict:
-    """Builds the kernel as FC2 (E4M3 A, bias) and as FC1 dgrad (E5M2 A) launch it. Needs
-    TRITON_INTERPRET unset."""
+    """Builds the plain GEMM as FC2 (E4M3 A, bias) and as FC1 dgrad (E5M2 A) launch it, and the wgrad
+    (E5M2 gradient, E4M3 input). Needs TRITON_INTERPRET unset."""
     from sm90_build import build_gluon_sm90
     from triton.runtime.jit import mangle_type
 
-    from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
+    from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W, wgmma_ws as WS
+    from te_fused_moe.backends.triton.fp8_block.wgrad import default_config
+
+    def build(kernel, types, consts, warps, ctas_per_sm, tile_elements, consumers):
+        launch = WS._partitions(warps, consumers, ctas_per_sm, tile_elements)
+        return dict(build_gluon_sm90(kernel, types, dict(consts, CONSUMERS=consumers,
+                                                         CONSUMER_REGISTERS=launch["CONSUMER_REGISTERS"]),
+                                     num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]), consumers=consumers)
 
     report = {}
     for name, a_dtype, has_bias in (("fc2_e4m3_bias", torch.float8_e4m3fn, True),
                                     ("dgrad_e5m2", torch.float8_e5m2, False)):
         a_desc, b_desc = W.descriptors(torch.empty(1024, 2048, dtype=a_dtype),
                                        torch.empty(4, 1024, 2048, dtype=torch.float8_e4m3fn))
-        plain_types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32",
-                           c_ptr="*bf16", bias_ptr="*bf16", sched_ptr="*i32")
-        consts = dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES)
-        report[name] = build_gluon_sm90(W.fp8_block_gemm_wgmma_kernel, plain_types, consts, num_warps=W.NUM_WARPS)
-    # the wgrad as launched by default (E5M2 gradient, E4M3 input) and at 64x64 on one warpgroup
-    from te_fused_moe.backends.triton.fp8_block.wgrad import default_config
+        types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32",
+                     c_ptr="*bf16", bias_ptr="*bf16", sched_ptr="*i32")
+        for consumers in (1, 2):
+            report[f"{name}_{consumers}"] = build(WS.fp8_block_gemm_ws_kernel, types,
+                                                  dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES),
+                                                  W.NUM_WARPS, 1, W.BM * W.BN, consumers)
 
-    cfg = default_config(gluon=True)
-    def wgrad_types(block_n, block_k):
+    def wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers):
         g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
-        return dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
-                    xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
-                    dw_ptr="*bf16", sched_ptr="*i32")
-
-    for name, block_n, block_k, warps, stages in (("wgrad", cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages),
-                                                  ("wgrad_64x64", 64, 64, 4, 4), ("wgrad_128x128", 128, 128, 8, 4)):
-        report[name] = build_gluon_sm90(W.fp8_block_wgrad_wgmma_kernel, wgrad_types(block_n, block_k),
-                                        dict(GROUP_N=8, NUM_STAGES=stages), num_warps=warps)
-    # the warp-specialised kernels (a producer warp, the consumers' registers raised by setmaxnreg)
-    from te_fused_moe.backends.triton.fp8_block import wgmma_ws as WS
-
-    def ws_build(kernel, types, consts, warps, ctas_per_sm, tile_elements, consumers):
-        launch = WS._partitions(warps, consumers, ctas_per_sm, tile_elements)
-        return dict(build_gluon_sm90(kernel, types, dict(consts, CONSUMERS=consumers,
-                                                         CONSUMER_REGISTERS=launch["CONSUMER_REGISTERS"]),
-                                     num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]), consumers=consumers)
-
-    for consumers in (1, 2):
-        report[f"ws_plain_{consumers}"] = ws_build(WS.fp8_block_gemm_ws_kernel, plain_types,
-                                                   dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES),
-                                                   W.NUM_WARPS, 1, W.BM * W.BN, consumers)
-    def ws_wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers):
-        types = wgrad_types(block_n, block_k)
+        types = dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
+                     xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
+                     dw_ptr="*bf16", sched_ptr="*i32")
         dw_desc = WS._store_descriptor(torch.empty(4, 4096, 7168, dtype=torch.bfloat16), block_n // consumers,
                                        block_k)
         types["dw_desc"] = mangle_type(dw_desc) if tma_store else types["g_desc"]
-        return ws_build(WS.fp8_block_wgrad_ws_kernel, types, dict(GROUP_N=8, NUM_STAGES=stages, TMA_STORE=tma_store),
-                        warps, ctas_per_sm, block_n * block_k, consumers)
+        return build(WS.fp8_block_wgrad_ws_kernel, types, dict(GROUP_N=8, NUM_STAGES=stages, TMA_STORE=tma_store),
+                     warps, ctas_per_sm, block_n * block_k, consumers)
 
-    c = default_config(gluon=True, warp_specialized=True)
-    report["ws_wgrad_64x128"] = ws_wgrad(64, 128, 4, 4, 2, False, 1)
-    report["ws_wgrad_default"] = ws_wgrad(c.block_n, c.block_k, c.num_warps, c.num_stages, c.ctas_per_sm, c.tma_store,
-                                          c.consumers)
-    for consumers in (1, 2):
+    c = default_config(gluon=True)
+    report["wgrad_default"] = wgrad(c.block_n, c.block_k, c.num_warps, c.num_stages, c.ctas_per_sm, c.tma_store,
+                                    c.consumers)
+    for consumers, stages in ((1, 5), (2, 4)):
         for tma_store in (False, True):
-            report[f"ws_wgrad_{consumers}{'_tma' if tma_store else ''}"] = ws_wgrad(
-                128, 128, 8, c.num_stages, 1, tma_store, consumers)
+            report[f"wgrad_{consumers}{'_tma' if tma_store else ''}"] = wgrad(128, 128, 8, stages, 1, tma_store,
+                                                                              consumers)
+    report["wgrad_64x128"] = wgrad(64, 128, 4, 3, 2, True, 1)
     return report
 
 
 def _most_registers_asked(name: str, consumers: int) -> int:
-    """Warp-specialised builds: the consumers take the producer's registers (232 at one consumer warpgroup
-    and two CTAs per SM, 240 at two warpgroups in one partition and one CTA; with two consumer
-    partitions Triton gives the default one 256, the other 240); the other kernels do not reallocate."""
-    if not name.startswith("ws_"):
-        return 0
-    return 232 if name == "ws_wgrad_64x128" else 256 if consumers == 2 else 240
+    """The consumers take the producer's registers: 232 at one consumer warpgroup and two CTAs per SM,
+    240 at two warpgroups in one partition and one CTA; with two consumer partitions Triton gives the
+    default one 256, the other 240."""
+    return 232 if name == "wgrad_64x128" else 256 if consumers == 2 else 240
 
 
 def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
@@ -98,21 +83,21 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
-    assert set(report) == {"fc2_e4m3_bias", "dgrad_e5m2", "wgrad", "wgrad_64x64", "wgrad_128x128", "ws_plain_1",
-                           "ws_plain_2", "ws_wgrad_64x128", "ws_wgrad_default", "ws_wgrad_1", "ws_wgrad_1_tma",
-                           "ws_wgrad_2", "ws_wgrad_2_tma"}
+    assert set(report) == {"fc2_e4m3_bias_1", "fc2_e4m3_bias_2", "dgrad_e5m2_1", "dgrad_e5m2_2", "wgrad_default",
+                           "wgrad_1", "wgrad_1_tma", "wgrad_2", "wgrad_2_tma", "wgrad_64x128"}
+    assert report["wgrad_default"]["consumers"] == 2
     for name, r in report.items():
-        # no spills, also at 255 registers (the wgrad's 64x128 on one warpgroup, 128x128 on two): its
-        # column scales are read from shared memory at the promotion, not held in registers
+        # no spills, also at 232-256 registers: the wgrad's column scales are read from shared memory at
+        # the promotion, not held in registers
         assert r["stack"] == 0, (name, r)
-        copies = r.get("consumers", 1)  # two consumer partitions: two copies of the loop
+        copies = r["consumers"]  # two consumer partitions: two copies of the loop
         assert r["qgmma"] == 16 * copies, (name, r)  # 4 per block x 4 issue sites
         assert r["qgmma_grouped"] == 12 * copies, (name, r)  # 3 of each block's 4 join the group the 4th commits
         assert r["wait_le1"] >= 3 * copies, (name, r)  # the loop's two waits and the tail's first
         assert r["shared"] <= 227 * 1024, (name, r)
-        assert r["setmaxnreg_max"] == _most_registers_asked(name, r.get("consumers", 1)), (name, r)
-    # two CTAs of the warp-specialised wgrad share an SM's 227 KB
-    assert 2 * report["ws_wgrad_64x128"]["shared"] <= 227 * 1024, report["ws_wgrad_64x128"]
+        assert r["setmaxnreg_max"] == _most_registers_asked(name, copies), (name, r)
+    # two CTAs of the 64x128 wgrad share an SM's 227 KB
+    assert 2 * report["wgrad_64x128"]["shared"] <= 227 * 1024, report["wgrad_64x128"]
 
 
 def _operands(device="cpu"):
@@ -191,12 +176,11 @@ def test_engines_on_names_the_kernels_and_why(monkeypatch):
     monkeypatch.setattr(wgrad, "WGRAD_ENGINE", "gluon")
     e = gemm.engines_on(cpu)
     assert e["FC1 / dGLU"] == "fc1: GEMM + epilogue alone, dact: one kernel" and e["wgrad"] == f"triton ({why})", e
-    # where the Gluon kernels run (the check of the GPU passed), which kind of Gluon kernel
+    # where the Gluon kernels run (the check of the GPU passed)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(wgrad, "WGRAD_WARP_SPECIALIZED", False)
     e = gemm.engines_on(torch.device("cuda", 0))
-    assert e["plain GEMMs"] == "gluon, warp-specialised" and e["wgrad"] == "gluon, load cursor", e
+    assert e["plain GEMMs"] == "gluon, warp-specialised" and e["wgrad"] == "gluon, warp-specialised", e
     monkeypatch.setattr(wgrad, "WGRAD_ENGINE", "triton")
     assert gemm.engines_on(torch.device("cuda", 0))["wgrad"] == "triton (WGRAD_ENGINE)"
 

@@ -52,15 +52,13 @@ from .quantize import BLOCK, FLOAT32_MAX, FP8Spec, row_block
 
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
-# Which kernel runs the plain GEMMs (FC2, FC1 dgrad) by default: "auto" = the Gluon kernel of
-# :mod:`.wgmma_gemm` on sm_90 (promotion under the next wgmma), this module's Triton kernel elsewhere
-# and under the interpreter; "triton" / "gluon" force one (benchmarks compare both in one process).
+# Which kernel runs the plain GEMMs (FC2, FC1 dgrad) by default: "auto" = the warp-specialised Gluon
+# kernel of :mod:`.wgmma_ws` on sm_90 (promotion under the next wgmma, a producer warp loading), this
+# module's Triton kernel elsewhere and under the interpreter; "triton" / "gluon" force one (benchmarks
+# compare both in one process). At DSv3 (run 19a-b): FC2 0.97 ms, FC1 dgrad 1.83, FC1's GEMM 1.71,
+# the dGLU's 0.87 (~1000-1130 TFLOP/s; the Gluon load-cursor kernel before them: 1.06 / 2.07 / 1.90 /
+# 1.06)
 PLAIN_ENGINE = "auto"
-# Whether the Gluon plain GEMM runs warp-specialised (:mod:`.wgmma_ws`: a producer warp does the
-# loads, the consumers get its registers) or with its own load cursor (:mod:`.wgmma_gemm`). At DSv3,
-# same process (run 19a): FC2 0.97 vs 1.06 ms, FC1 dgrad 1.83 vs 2.07, FC1's GEMM 1.71 vs 1.90, the
-# dGLU's 0.87 vs 1.06 (~1000-1130 TFLOP/s)
-PLAIN_WARP_SPECIALIZED = True
 # How the FC1 and dGLU kernels run: "fused" = one kernel (K loop, then the activation + quantize
 # epilogue); "separate" = the plain GEMM writes the accumulator in FP32 ([T, N], transient), then the
 # same kernel with ``ACC_IN`` runs the epilogue alone on it: the same FP32 values through the same
@@ -91,12 +89,11 @@ class FP8GemmConfig:
     epilogue: Optional[str] = None  # FC1 / dGLU: "auto", "separate" or "fused"; None = FC1_ / DACT_EPILOGUE
     alone_warps: Optional[int] = None  # the epilogue alone: warps, register cap; None = EPILOGUE_ALONE_*
     alone_maxnreg: Optional[int] = None
-    # the Gluon plain GEMM: persistent programs per SM (0: one program per tile). One per SM: FC2 1.10
-    # vs 1.19 ms, FC1 dgrad 2.12 vs 2.17, FC1's GEMM 1.96 vs 2.08 at DSv3 (run 17d); about even with
-    # session 6's kernel, which had no load cursor (1.12 / 2.08 / 1.97)
+    # the Gluon plain GEMM: persistent programs per SM (one: 12 warps at 168 registers fill an SM's)
     ctas_per_sm: int = 1
-    warp_specialized: Optional[bool] = None  # the Gluon plain GEMM; None = PLAIN_WARP_SPECIALIZED
-    consumers: int = 1  # warp-specialised: consumer partitions (2: a warpgroup per half of the tile's rows)
+    # ...its consumer partitions: 2 = a warpgroup per half of each tile's rows, not in step (run 19e:
+    # even with 1 for the plain GEMMs, FC2 0.98 vs 0.95 ms, the dGLU's GEMM 0.81 vs 0.86)
+    consumers: int = 1
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
@@ -397,15 +394,10 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     if mode != MODE_PLAIN and cfg.block_n != BLOCK:
         raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")
     if mode == MODE_PLAIN and _plain_on_gluon(cfg, a, b):
-        args = (a, a_scale, b, b_scale, n, schedule, num_experts, c, bias)
-        tiles = dict(group_m=cfg.group_m, num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm)
-        if PLAIN_WARP_SPECIALIZED if cfg.warp_specialized is None else cfg.warp_specialized:
-            from .wgmma_ws import launch_plain
+        from .wgmma_ws import launch_plain
 
-            return launch_plain(*args, consumers=cfg.consumers, **tiles)
-        from .wgmma_gemm import launch_plain
-
-        return launch_plain(*args, **tiles)
+        return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
+                            num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm, consumers=cfg.consumers)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
     if acc_in:
         # the GEMM alone (all of B's rows: FC1's gate and up halves) into FP32 with the fastest plain
@@ -445,7 +437,7 @@ def _launch_shape(cfg: FP8GemmConfig, acc_in: bool) -> dict:
 
 
 def gluon_kernels_available() -> Optional[str]:
-    """None if this Triton has the Gluon API the kernels of :mod:`.wgmma_gemm` are written against
+    """None if this Triton has the Gluon API the kernels of :mod:`.wgmma_ws` are written against
     (Triton 3.6), else why not. Asked on every launch: the answer is cached per Triton version."""
     return _gluon_check(triton.__version__)
 
@@ -456,7 +448,7 @@ def _gluon_check(version: str) -> Optional[str]:
     if (major, minor) < (3, 6):
         return f"the Gluon kernels need triton>=3.6 (Gluon's Hopper API), found {version}"
     try:
-        importlib.import_module(".wgmma_gemm", __package__)
+        importlib.import_module(".wgmma_ws", __package__)
     except ImportError as exc:
         return f"triton.experimental.gluon did not import: {exc}"
     return None
@@ -493,14 +485,11 @@ def engines_on(device: torch.device) -> dict:
     gluon = why_not is None and PLAIN_ENGINE != "triton"
     separate = {kind: how == "separate" or (how == "auto" and gluon)
                 for kind, how in (("fc1", FC1_EPILOGUE), ("dact", DACT_EPILOGUE))}
-    def gluon_kind(warp_specialized: bool) -> str:
-        return "gluon, warp-specialised" if warp_specialized else "gluon, load cursor"
-
     wgrad_gluon = wgrad.WGRAD_ENGINE in ("gluon", "auto") and why_not is None
     return {
-        "plain GEMMs": gluon_kind(PLAIN_WARP_SPECIALIZED) if gluon else f"triton ({why_not or 'PLAIN_ENGINE'})",
+        "plain GEMMs": "gluon, warp-specialised" if gluon else f"triton ({why_not or 'PLAIN_ENGINE'})",
         "FC1 / dGLU": ", ".join(f"{k}: {'GEMM + epilogue alone' if v else 'one kernel'}" for k, v in separate.items()),
-        "wgrad": gluon_kind(wgrad.WGRAD_WARP_SPECIALIZED) if wgrad_gluon else f"triton ({why_not or 'WGRAD_ENGINE'})",
+        "wgrad": "gluon, warp-specialised" if wgrad_gluon else f"triton ({why_not or 'WGRAD_ENGINE'})",
     }
 
 

@@ -1,15 +1,18 @@
-"""Warp-specialised FP8 block GEMMs in Gluon: the kernels of :mod:`.wgmma_gemm` with their TMA loads
-moved to a producer partition (one warp, 24 registers) that walks the same tiles and K blocks and
-fills the ring ahead of the consumers, across tile boundaries.
+"""The FP8 block GEMMs on sm_90, warp-specialised Gluon kernels (Triton 3.6): a producer partition (one
+warp, 24 registers) walks the tiles and K blocks and fills the ring of shared-memory stages by TMA,
+ahead of the consumers and across tile boundaries; the consumer partitions wait for a stage, issue
+its wgmma, promote the previous block (:func:`.wgmma_gemm._promoted_mainloop`) and hand its stage
+back (an ``empty`` mbarrier per stage). The producer's register budget goes to them (``setmaxnreg``).
 
-Why: in the persistent kernels of :mod:`.wgmma_gemm` the warps that run the wgmmas also step the
-load cursor (~75 uniform-datapath instructions per K block, run 18a) and wait at a CTA-wide barrier
-before each refill. Here the consumer warps only wait for a stage, issue its wgmma, promote the
-previous block and hand its stage back (an ``empty`` mbarrier per stage); the producer's register
-budget goes to them (``setmaxnreg``). Same tiles, same K order, same promotion code
-(:func:`.wgmma_gemm._promoted_mainloop`), so results are bitwise those of the other kernels
-(tests/gpu/test_fp8_block_wgmma_gpu.py). At DSv3 (run 19): FC2 0.97 vs 1.06 ms, FC1 dgrad 1.83 vs
-2.07; the wgrad 2.43 vs 2.82 ms (w1) for the Triton one.
+- :func:`launch_plain`: FC2 forward, FC1 dgrad and the GEMMs of FC1 / the dGLU when their epilogues
+  run alone (same contract as ``gemm.launch("fc2" | "dgrad")``).
+- :func:`launch_wgrad`: ``dw[e] = G_e^T X_e`` from the columnwise copies (``wgrad.fp8_grouped_wgrad``).
+
+Why: the load-cursor kernels they replaced (run 19) stepped the cursor in the consumers' own warps
+(~75 instructions per K block) and met at a CTA-wide barrier before each refill. At DSv3: FC2 0.97
+vs 1.06 ms, FC1 dgrad 1.83 vs 2.07, the wgrad 2.43 vs 3.05 ms (w1; 2.82 for the Triton one). Same
+tiles, same K order, same promotion code, so results are bitwise those of the Triton kernels
+(tests/gpu/test_fp8_block_wgmma_gpu.py).
 
 Options:
 - ``consumers`` = 2: two consumer partitions, a warpgroup per half of each tile's rows, each with its
@@ -53,7 +56,7 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     loaded = 0
     for tile in range(gl.program_id(0), src[1], src[2]):
-        _, a_row, b_row, first, end = W._resolved(tile, src, BLOCK_A, BLOCK_B, KIND, GROUP)
+        _, a_row, b_row, first, end = W._tile_loads(tile, src, BLOCK_A, BLOCK_B, KIND, GROUP)
         for blk in range(first, end):
             stage = loaded % NUM_STAGES
             # a stage starts free: its empty barrier's phase "before 0" counts as complete
@@ -74,8 +77,9 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr, CONSUMERS: gl.constexpr):
-    """:func:`.wgmma_gemm._operand_ring`'s stages and ``ready`` barriers plus an ``empty`` barrier per
-    stage (each of the ``CONSUMERS`` partitions arrives on it when done with the stage), no cursor."""
+    """The ring: the descriptors, ``NUM_STAGES`` stages of A and B tiles (and, ``OUTER``, of B's column
+    scales, ``cs_desc``) in shared memory, a ``ready`` barrier per stage (the TMA loads complete on it)
+    and an ``empty`` one (each of the ``CONSUMERS`` partitions arrives on it when done with the stage)."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, a_desc.block_type.shape[0], BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, b_desc.block_type.shape[0], BLOCK_K], b_desc.layout)
@@ -94,9 +98,10 @@ def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr
 @gluon.jit
 def _plain_consumer(ring, src, params, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                     BAND: gl.constexpr, BANDS: gl.constexpr, num_warps: gl.constexpr):
-    """The plain GEMM's tiles (:func:`.wgmma_gemm.fp8_block_gemm_wgmma_kernel`'s loop, its loads left to
-    the producer), rows ``BAND`` of ``BANDS`` of each tile on ``num_warps`` warps; ``params``: the
-    kernel's runtime arguments from ``as_ptr`` to ``N`` but the schedule."""
+    """The plain GEMM's tiles ``program_id, + grid, ...`` in the producer's order, rows ``BAND`` of ``BANDS``
+    of each on ``num_warps`` warps: the promoted mainloop (scales: one per row of A, each thread
+    holding its rows', times one scalar of B per K block), bias, store; zeros on the padding group's
+    rows. ``params``: the kernel's runtime arguments from ``as_ptr`` to ``N`` but the schedule."""
     (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk, c_ptr, stride_cm, bias_ptr,
      stride_bias_e, T, N) = params
     TILE_M: gl.constexpr = ring[0].block_type.shape[0]
@@ -117,10 +122,8 @@ def _plain_consumer(ring, src, params, HAS_BIAS: gl.constexpr, GROUP_M: gl.const
             else:
                 rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), T - 1)
                 sb_ptr = bs_ptr + group.to(gl.int64) * stride_bse + ((pid_n * BLOCK_N) // 128) * stride_bsn
-                acc, _ = W._promoted_mainloop(ring, used, 0, k_tiles, gl.to_tensor(0), src,
-                                              as_ptr + rows.to(gl.int64) * stride_asm, stride_ask, sb_ptr, stride_bsk,
-                                              mma, NUM_STAGES, False, W.KIND_PLAIN, GROUP_M, True,
-                                              BAND, BANDS)
+                acc = W._promoted_mainloop(ring, used, 0, k_tiles, as_ptr + rows.to(gl.int64) * stride_asm, stride_ask,
+                                           sb_ptr, stride_bsk, mma, NUM_STAGES, False, BAND, BANDS)
                 used += k_tiles
                 if HAS_BIAS:
                     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -137,8 +140,8 @@ def fp8_block_gemm_ws_kernel(
     HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """:func:`.wgmma_gemm.fp8_block_gemm_wgmma_kernel` (same arguments), warp-specialised: ``CONSUMERS``
-    partitions of ``num_warps`` warps each."""
+    """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, persistent over the tiles (``CONSUMERS``
+    partitions of ``num_warps`` consumer warps each, and the producer)."""
     num_pid_n = N // b_desc.block_type.shape[0]
     k_tiles = K // a_desc.block_type.shape[1]
     src = (sched_ptr, MAX_M_TILES * num_pid_n, gl.num_programs(0), MAX_M_TILES, num_pid_n, NUM_GROUPS, B_ROWS,
@@ -167,8 +170,8 @@ def fp8_block_gemm_ws_kernel(
 @gluon.jit
 def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                     TMA_STORE: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr, num_warps: gl.constexpr):
-    """The wgrad's tiles (:func:`.wgmma_gemm.fp8_block_wgrad_wgmma_kernel`'s loop, its loads left to the
-    producer), rows ``BAND`` of ``BANDS`` of each tile on ``num_warps`` warps. ``TMA_STORE``: each dw
+    """The wgrad's tiles ``program_id, + grid, ...`` in the producer's order, rows ``BAND`` of ``BANDS`` of
+    each on ``num_warps`` warps; experts without tokens store zeros. ``TMA_STORE``: each dw
     tile goes out through a shared-memory staging tile and a TMA store that runs under the next tile's
     mainloop (``dw_desc``: dw as [E * N, K] in boxes of this band's rows). ``params``: the kernel's
     runtime arguments gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N."""
@@ -186,9 +189,8 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
         row0 = pid_n * TILE_N + BAND * BLOCK_N
         if tile_end > tile_start:
             rows_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-            acc, _ = W._promoted_mainloop(ring, used, tile_start, tile_end - tile_start, gl.to_tensor(0), src,
-                                          gs_ptr + rows_n, stride_gst, gs_ptr, 0, mma, NUM_STAGES, True, W.KIND_WGRAD,
-                                          GROUP_N, True, BAND, BANDS)
+            acc = W._promoted_mainloop(ring, used, tile_start, tile_end - tile_start, gs_ptr + rows_n, stride_gst,
+                                       gs_ptr, 0, mma, NUM_STAGES, True, BAND, BANDS)
             used += tile_end - tile_start
         else:
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma)
@@ -213,8 +215,12 @@ def fp8_block_wgrad_ws_kernel(
     GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMERS: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """:func:`.wgmma_gemm.fp8_block_wgrad_wgmma_kernel`'s arguments (plus ``dw_desc``, used with
-    ``TMA_STORE``), warp-specialised: ``CONSUMERS`` partitions of ``num_warps`` warps each."""
+    """``dw[e][n tile, k tile] = sum over expert e's token blocks t of G_t^T X_t * gs[t, n] * xs[t, k]``
+    from the columnwise copies (``data_t`` [N or K, 128 * tiles], one 128-token block per M tile of the
+    schedule, scales ``scale_t`` [tiles, N or K]; ``xs`` by TMA with each stage), persistent over the
+    tiles (``CONSUMERS`` partitions of ``num_warps`` consumer warps each, and the producer); an expert
+    has few token blocks (~8 at DSv3), so the producer's loads run into the next tile under this
+    tile's last blocks and its store. ``dw_desc``: used with ``TMA_STORE``."""
     tiles_n = N // g_desc.block_type.shape[0]
     tiles_k = K // x_desc.block_type.shape[0]
     src = (sched_ptr, (NUM_GROUPS - 1) * tiles_n * tiles_k, gl.num_programs(0), tiles_n, tiles_k, NUM_GROUPS, 0, 0)
@@ -271,8 +277,10 @@ def _partitions(num_warps: int, consumers: int, ctas_per_sm: int, tile_elements:
 def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
                  schedule: torch.Tensor, num_experts: int, c: torch.Tensor, bias=None, group_m: int = 8,
                  num_stages: int = W.STAGES, ctas_per_sm: int = 1, consumers: int = 1):
-    """:func:`.wgmma_gemm.launch_plain`, warp-specialised (always persistent: ``ctas_per_sm`` >= 1),
-    ``consumers`` consumer partitions (see :func:`_partitions`)."""
+    """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, zeros on the padding rows (see
+    :mod:`.wgmma_gemm`), ``ctas_per_sm`` persistent programs per SM (0 counts as 1), ``consumers``
+    consumer partitions (:func:`_partitions`). The caller has checked K % 128 == N % 128 == 0 and
+    :func:`.wgmma_gemm.usable`."""
     import triton
 
     from ..schedule import max_m_tiles
@@ -311,9 +319,11 @@ _GL_16BIT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, block_n: int = 64, block_k: int = 128,
                  group_n: int = 8, num_stages: int = 4, num_warps: int = 4, ctas_per_sm: int = 2,
                  tma_store: bool = False, consumers: int = 1):
-    """:func:`.wgmma_gemm.launch_wgrad`, warp-specialised (always persistent: ``ctas_per_sm`` >= 1),
-    ``consumers`` consumer partitions (see :func:`_partitions`); ``tma_store``: dw tiles stored by TMA
-    where dw allows it (contiguous 16-bit)."""
+    """``dw[e] = G_e^T @ X_e`` ([E, N, K], 128-multiples) from the columnwise copies of ``g`` and ``x``
+    (:class:`~.quantize.QuantizedRows`) in ``block_n`` x ``block_k`` tiles of ``dw``, ``ctas_per_sm``
+    persistent programs per SM (0 counts as 1), ``consumers`` consumer partitions
+    (:func:`_partitions`); ``tma_store``: dw tiles stored by TMA where dw allows it (contiguous
+    16-bit). The caller checked the shapes."""
     num_experts, n, k = dw.shape
     tiles = num_experts * (n // block_n) * (k // block_k)
     launch = _partitions(num_warps, consumers, max(1, ctas_per_sm), block_n * block_k)

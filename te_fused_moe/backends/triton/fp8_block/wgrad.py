@@ -30,20 +30,17 @@ from .quantize import BLOCK, QuantizedRows
 # Which kernel runs the wgrads: "auto" (the default) = the warp-specialised Gluon kernel of
 # :mod:`.wgmma_ws` on sm_90 (each token block's promotion under the next block's wgmma, a producer warp
 # loading ahead across tiles, dw tiles stored by TMA under the next tile), this module's Triton kernel
-# elsewhere and under the interpreter; "gluon" / "triton" force one. At DSv3 w1, same process (run 19c):
-# 2.46 ms warp-specialised with the TMA store, 2.79 without it, 2.91 for the Triton kernel; the
-# load-cursor Gluon kernel (WGRAD_WARP_SPECIALIZED = False) took 3.05 vs 2.83 Triton (run 17d). Its
-# ~780 TFLOP/s at ~8 token blocks per tile rise only to ~840 at 64 (E=2): the outer-product promotion
-# (two FP32 ops per accumulator element per block, plus the column scales from shared memory), not the
-# tile's fill and store, is what keeps it under the plain GEMMs' ~1100.
+# elsewhere and under the interpreter; "gluon" / "triton" force one. At DSv3 w1, same process: 2.43
+# ms with two consumer partitions (run 19e), 2.46 with one (19c), 2.79 without the TMA store, 2.82-2.91
+# for the Triton kernel; the Gluon load-cursor wgrad before it took 3.05 (run 17d). ~780 TFLOP/s at
+# ~8 token blocks per tile rise only to ~840 at 128 (E=2): the outer-product promotion (two FP32 ops
+# per accumulator element per block, plus the column scales from shared memory), not the tile's fill
+# and store, keeps it under the plain GEMMs' ~1100.
 WGRAD_ENGINE = "auto"
-# Whether the Gluon wgrad runs warp-specialised (:mod:`.wgmma_ws`: a producer warp does the loads, the
-# consumers get its registers) or with its own load cursor (:mod:`.wgmma_gemm`)
-WGRAD_WARP_SPECIALIZED = True
-# Its consumer partitions: 2 = a warpgroup per half of each 128-row tile, each handing its stages back on
-# its own (one partition of both warpgroups waits at a shared barrier every block: ncu's leading
-# stall, run 19d). Same process (run 19e): w1 / w2 2.43 / 1.23 ms at 4 stages, 2.51 / 1.28 at 5,
-# vs 2.55 / 1.28 for one partition at 5 stages (2.66 at 4, run 19c)
+# The Gluon wgrad's consumer partitions: 2 = a warpgroup per half of each 128-row tile, each handing its
+# stages back on its own (one partition of both warpgroups waits at a shared barrier every block:
+# ncu's leading stall, run 19d). Same process (19e): w1 / w2 2.43 / 1.23 ms at 4 stages, 2.51 / 1.28
+# at 5, vs 2.55 / 1.28 for one partition at 5 stages (2.66 at 4, 19c); MLP 11.24 vs 11.46 ms (19f)
 WGRAD_CONSUMERS = 2
 
 
@@ -57,30 +54,24 @@ class FP8WgradConfig:
     use_tma: bool = True
     engine: Optional[str] = None  # "auto", "gluon" or "triton"; None = WGRAD_ENGINE
     maxnreg: Optional[int] = None  # Triton kernel: register cap (None: the compiler's choice)
-    ctas_per_sm: int = 1  # Gluon kernel: persistent programs per SM (0: one program per tile)
-    warp_specialized: Optional[bool] = None  # Gluon kernel; None = WGRAD_WARP_SPECIALIZED
-    tma_store: bool = False  # warp-specialised Gluon kernel: dw tiles stored by TMA (16-bit contiguous dw)
-    consumers: int = 1  # warp-specialised: consumer partitions (2: a warpgroup per half of the tile's rows)
+    ctas_per_sm: int = 1  # Gluon kernel: persistent programs per SM
+    tma_store: bool = False  # Gluon kernel: dw tiles stored by TMA (where dw is 16-bit and contiguous)
+    consumers: int = 1  # Gluon kernel: consumer partitions (2: a warpgroup per half of the tile's rows)
 
 
-def default_config(gluon: bool = False, warp_specialized: bool = False) -> FP8WgradConfig:
+def default_config(gluon: bool = False) -> FP8WgradConfig:
     """Triton: 128x64 tiles at 4 warps (~165 registers, 72 KB of shared memory): three CTAs share an SM,
     so one CTA's FP32 promotion (an outer product of scales per token block) runs under another's
     wgmma. On the H200 at DSv3 shapes: 670-690 TFLOP/s vs ~500 with 128x128 tiles at 8 warps.
-    Gluon: the same tiles on one warpgroup, two persistent CTAs per SM (no spills since the column
-    scales come by TMA): 1.54 / 3.05 ms at DSv3 vs 1.55 / 3.07 for 128x128 on two warpgroups, 1.90 /
-    3.80 for 64x64 at three CTAs per SM, 1.71 / 3.58 one program per tile (run 17d).
-    Gluon warp-specialised: 128x128 on two consumer warpgroups, 5 stages, one CTA per SM: 1.37 / 2.75
-    ms vs 1.43 / 2.84 for 64x128 on one warpgroup at two CTAs per SM (4 stages; 1.40 / 2.79 at 3) and
-    1.42 / 2.82 for the Triton wgrad in the same process (run 19a); w1 2.46 ms with dw stored by TMA
-    (2.66 at 4 stages; run 19c)."""
+    Gluon (warp-specialised): 128x128 tiles on two consumer warpgroups, one CTA per SM, dw stored by
+    TMA; 4 stages with two consumer partitions, 5 with one (see ``WGRAD_CONSUMERS``). Other tiles,
+    same process (run 19a, one partition, no TMA store): 64x128 on one warpgroup at two CTAs per SM
+    1.43 / 2.84 ms (w2 / w1) vs 1.37 / 2.75 for 128x128; 64x64 at three CTAs 1.72 / 3.53."""
     if interpreting():
         return FP8WgradConfig(group_n=2, num_warps=4, num_stages=1)
-    if gluon and warp_specialized:
-        return FP8WgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=4 if WGRAD_CONSUMERS == 2 else 5,
-                              ctas_per_sm=1, warp_specialized=True, tma_store=True, consumers=WGRAD_CONSUMERS)
     if gluon:
-        return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, ctas_per_sm=2)
+        return FP8WgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=4 if WGRAD_CONSUMERS == 2 else 5,
+                              ctas_per_sm=1, tma_store=True, consumers=WGRAD_CONSUMERS)
     return FP8WgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
@@ -145,18 +136,13 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
     """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` [T, N] and ``x`` [T, K]."""
     num_experts, n, k = dw.shape
     if _on_gluon(config, g, x):
-        ws = WGRAD_WARP_SPECIALIZED if config is None or config.warp_specialized is None else config.warp_specialized
-        cfg = config or default_config(gluon=True, warp_specialized=ws)
+        from .wgmma_ws import launch_wgrad
+
+        cfg = config or default_config(gluon=True)
         wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK, False)  # the shape checks
-        tiles = dict(block_n=cfg.block_n, block_k=cfg.block_k, group_n=cfg.group_n, num_stages=cfg.num_stages,
-                     num_warps=cfg.num_warps, ctas_per_sm=cfg.ctas_per_sm)
-        if ws:
-            from .wgmma_ws import launch_wgrad
-
-            return launch_wgrad(g, x, schedule, dw, tma_store=cfg.tma_store, consumers=cfg.consumers, **tiles)
-        from .wgmma_gemm import launch_wgrad
-
-        return launch_wgrad(g, x, schedule, dw, **tiles)
+        return launch_wgrad(g, x, schedule, dw, block_n=cfg.block_n, block_k=cfg.block_k, group_n=cfg.group_n,
+                            num_stages=cfg.num_stages, num_warps=cfg.num_warps, ctas_per_sm=cfg.ctas_per_sm,
+                            tma_store=cfg.tma_store, consumers=cfg.consumers)
     cfg = config or default_config()
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK,
