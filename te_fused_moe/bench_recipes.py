@@ -427,7 +427,11 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
     ``only``: these configs (and ``default``)."""
     if recipe == "fp8_block":
         from .backends.triton.fp8_block.gemm import FP8GemmConfig as G
-        from .backends.triton.fp8_block.wgrad import FP8WgradConfig as W
+        from .backends.triton.fp8_block.wgrad import FP8WgradConfig as W, default_config as wgrad_default
+
+        def gluon_wgrad(**changes):
+            """The Gluon wgrad's default config (two consumer partitions, TMA store) with ``changes``."""
+            return dataclasses.replace(wgrad_default(gluon=True), engine="gluon", **changes)
 
         configs = {
             "default": {},
@@ -442,16 +446,12 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             # the wgrads: the Triton kernel (the default before run 19) and the Gluon one at other tiles,
             # stages, L2 bands, consumer partitions and without the TMA store of dw
             "wgrad_triton": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="triton")),
-            "wgrad_gluon_1_consumer": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
-                                                          engine="gluon", tma_store=True)),
-            "wgrad_gluon_s5": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=5,
-                                                  engine="gluon", tma_store=True, consumers=2)),
-            "wgrad_gluon_no_tma_store": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4,
-                                                            engine="gluon", consumers=2)),
-            "wgrad_gluon_g4": dict(wgrad_config=W(block_n=128, block_k=128, num_warps=8, num_stages=4, group_n=4,
-                                                  engine="gluon", tma_store=True, consumers=2)),
-            "wgrad_gluon_64x128_2cta": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3,
-                                                           engine="gluon", ctas_per_sm=2, tma_store=True)),
+            "wgrad_gluon_1_consumer": dict(wgrad_config=gluon_wgrad(consumers=1, num_stages=5)),
+            "wgrad_gluon_s5": dict(wgrad_config=gluon_wgrad(num_stages=5)),
+            "wgrad_gluon_no_tma_store": dict(wgrad_config=gluon_wgrad(tma_store=False)),
+            "wgrad_gluon_g4": dict(wgrad_config=gluon_wgrad(group_n=4)),
+            "wgrad_gluon_64x128_2cta": dict(wgrad_config=gluon_wgrad(block_n=64, num_warps=4, num_stages=3,
+                                                                     ctas_per_sm=2, consumers=1)),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),

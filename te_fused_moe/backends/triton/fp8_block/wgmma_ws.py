@@ -275,8 +275,8 @@ def _partitions(num_warps: int, consumers: int, ctas_per_sm: int, tile_elements:
 
 
 def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
-                 schedule: torch.Tensor, num_experts: int, c: torch.Tensor, bias=None, group_m: int = 8,
-                 num_stages: int = W.STAGES, ctas_per_sm: int = 1, consumers: int = 1):
+                 schedule: torch.Tensor, num_experts: int, c: torch.Tensor, bias, *, group_m: int, num_stages: int,
+                 ctas_per_sm: int, consumers: int):
     """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, zeros on the padding rows (see
     :mod:`.wgmma_gemm`), ``ctas_per_sm`` persistent programs per SM (0 counts as 1), ``consumers``
     consumer partitions (:func:`_partitions`). The caller has checked K % 128 == N % 128 == 0 and
@@ -286,17 +286,18 @@ def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     from ..schedule import max_m_tiles
 
     num_rows, k = a.shape
+    ctas_per_sm = max(1, ctas_per_sm)
     m_tiles = max_m_tiles(num_rows, num_experts, W.BM)
     a_desc, b_desc = W.descriptors(a, b)
     dummy = a_scale
-    grid = W.persistent_grid(m_tiles * triton.cdiv(n, W.BN), a.device, max(1, ctas_per_sm))
+    grid = W.persistent_grid(m_tiles * triton.cdiv(n, W.BN), a.device, ctas_per_sm)
     fp8_block_gemm_ws_kernel[(grid,)](
         a_desc, a_scale, a_scale.stride(0), a_scale.stride(1),
         b_desc, b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
         c, c.stride(0), bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, schedule,
         num_rows, n, k, m_tiles, num_experts + 1,
         HAS_BIAS=bias is not None, GROUP_M=group_m, NUM_STAGES=num_stages,
-        **_partitions(W.NUM_WARPS, consumers, max(1, ctas_per_sm), W.BM * W.BN),
+        **_partitions(W.NUM_WARPS, consumers, ctas_per_sm, W.BM * W.BN),
     )
     return c
 
@@ -316,20 +317,20 @@ def _store_descriptor(dw: torch.Tensor, block_n: int, block_k: int):
 _GL_16BIT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, block_n: int = 64, block_k: int = 128,
-                 group_n: int = 8, num_stages: int = 4, num_warps: int = 4, ctas_per_sm: int = 2,
-                 tma_store: bool = False, consumers: int = 1):
+def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, *, block_n: int, block_k: int, group_n: int,
+                 num_stages: int, num_warps: int, ctas_per_sm: int, tma_store: bool, consumers: int):
     """``dw[e] = G_e^T @ X_e`` ([E, N, K], 128-multiples) from the columnwise copies of ``g`` and ``x``
     (:class:`~.quantize.QuantizedRows`) in ``block_n`` x ``block_k`` tiles of ``dw``, ``ctas_per_sm``
     persistent programs per SM (0 counts as 1), ``consumers`` consumer partitions
     (:func:`_partitions`); ``tma_store``: dw tiles stored by TMA where dw allows it (contiguous
-    16-bit). The caller checked the shapes."""
+    16-bit). The caller (``wgrad.fp8_grouped_wgrad``, from its config) checked the shapes."""
     num_experts, n, k = dw.shape
+    ctas_per_sm = max(1, ctas_per_sm)
     tiles = num_experts * (n // block_n) * (k // block_k)
-    launch = _partitions(num_warps, consumers, max(1, ctas_per_sm), block_n * block_k)
+    launch = _partitions(num_warps, consumers, ctas_per_sm, block_n * block_k)
     g_desc = W.descriptor(g.data_t, block_n)
     dw_desc = _store_descriptor(dw, block_n // consumers, block_k) if tma_store else None
-    fp8_block_wgrad_ws_kernel[(W.persistent_grid(tiles, dw.device, max(1, ctas_per_sm)),)](
+    fp8_block_wgrad_ws_kernel[(W.persistent_grid(tiles, dw.device, ctas_per_sm),)](
         g_desc, g.scale_t, g.scale_t.stride(0),
         W.descriptor(x.data_t, block_k), W.scale_descriptor(x.scale_t, block_k),
         dw, dw_desc if dw_desc is not None else g_desc, dw.stride(0), dw.stride(1), schedule, n, k, num_experts + 1,
