@@ -256,6 +256,8 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_bl
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
                           "fp8_block_fused_triton_wgrad": _fused_under("fp8_block", wgrad=dict(WGRAD_ENGINE="triton")),
+                          "fp8_block_fused_plain_no_tma_store": _fused_under("fp8_block",
+                                                                             gemm=dict(PLAIN_TMA_STORE=False)),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
                                                                               wgrad=dict(WGRAD_CONSUMERS=1))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},
@@ -443,6 +445,7 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
             "plain_gluon_2_consumers": dict(gemm_config=G(num_stages=4, consumers=2)),
+            "plain_gluon_no_tma_store": dict(gemm_config=G(num_stages=4, tma_store=False)),
             # the wgrads: the Triton kernel (the default before run 19) and the Gluon one at other tiles,
             # stages, L2 bands, consumer partitions and without the TMA store of dw
             "wgrad_triton": dict(wgrad_config=W(block_n=64, block_k=128, num_warps=4, num_stages=3, engine="triton")),

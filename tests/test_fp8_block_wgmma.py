@@ -4,8 +4,8 @@ offline and checks the properties they exist for, and the engine choice. Their n
 H200: tests/gpu/test_fp8_block_wgmma_gpu.py.
 
 Build checks (ptxas from the Triton wheel), for the plain GEMM and the wgrad, as launched by default
-and in their other supported shapes (one or two consumer partitions; the wgrad at 64x128 on one
-warpgroup at two CTAs per SM, with and without the TMA store of dw): no spills; 4 FP8 wgmmas per
+and in their other supported shapes (one or two consumer partitions, with and without the TMA store
+of the output, BF16 or FP32 out; the wgrad at 64x128 on one warpgroup at two CTAs per SM): no spills; 4 FP8 wgmmas per
 128-wide K block at each of the four issue sites (first block, the loop's two, the odd tail) per
 consumer partition; the wgmmas of a block share one commit group (when a non-wgmma instruction touches
 an in-flight accumulator, ptxas serialises every wgmma and gives each its own group: C7514); waits
@@ -37,15 +37,24 @@ def sm90_build_report() -> dict:
                                      num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]), consumers=consumers)
 
     report = {}
-    for name, a_dtype, has_bias in (("fc2_e4m3_bias", torch.float8_e4m3fn, True),
-                                    ("dgrad_e5m2", torch.float8_e5m2, False)):
+    # FC2 / FC1 dgrad (BF16 out) and the FC1 / dGLU GEMMs whose epilogues run alone (FP32 out: a 64 KB
+    # staging tile), stored by TMA (the default) or not
+    for name, a_dtype, has_bias, c_dtype, tma_store in (
+            ("fc2_e4m3_bias", torch.float8_e4m3fn, True, torch.bfloat16, True),
+            ("dgrad_e5m2", torch.float8_e5m2, False, torch.bfloat16, True),
+            ("acc_fp32", torch.float8_e4m3fn, False, torch.float32, True),
+            ("fc2_no_tma", torch.float8_e4m3fn, True, torch.bfloat16, False)):
         a_desc, b_desc = W.descriptors(torch.empty(1024, 2048, dtype=a_dtype),
                                        torch.empty(4, 1024, 2048, dtype=torch.float8_e4m3fn))
+        c_gl = "fp32" if c_dtype == torch.float32 else "bf16"
         types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32",
-                     c_ptr="*bf16", bias_ptr="*bf16", sched_ptr="*i32")
+                     c_ptr=f"*{c_gl}", bias_ptr="*bf16", sched_ptr="*i32")
         for consumers in (1, 2):
+            c_desc = W.store_descriptor(torch.empty(1024, 1024, dtype=c_dtype), W.BM // consumers, W.BN)
+            types["c_desc"] = mangle_type(c_desc) if tma_store else types["a_desc"]
             report[f"{name}_{consumers}"] = build(WS.fp8_block_gemm_ws_kernel, types,
-                                                  dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES),
+                                                  dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES,
+                                                       TMA_STORE=tma_store),
                                                   W.NUM_WARPS, 1, W.BM * W.BN, consumers)
 
     def wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers):
@@ -53,8 +62,8 @@ def sm90_build_report() -> dict:
         types = dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
                      xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
                      dw_ptr="*bf16", sched_ptr="*i32")
-        dw_desc = WS._store_descriptor(torch.empty(4, 4096, 7168, dtype=torch.bfloat16), block_n // consumers,
-                                       block_k)
+        dw_desc = WS._wgrad_store_descriptor(torch.empty(4, 4096, 7168, dtype=torch.bfloat16), block_n // consumers,
+                                             block_k)
         types["dw_desc"] = mangle_type(dw_desc) if tma_store else types["g_desc"]
         return build(WS.fp8_block_wgrad_ws_kernel, types, dict(GROUP_N=8, NUM_STAGES=stages, TMA_STORE=tma_store),
                      warps, ctas_per_sm, block_n * block_k, consumers)
@@ -83,8 +92,9 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
-    assert set(report) == {"fc2_e4m3_bias_1", "fc2_e4m3_bias_2", "dgrad_e5m2_1", "dgrad_e5m2_2", "wgrad_default",
-                           "wgrad_1", "wgrad_1_tma", "wgrad_2", "wgrad_2_tma", "wgrad_64x128"}
+    plain = {f"{n}_{c}" for n in ("fc2_e4m3_bias", "dgrad_e5m2", "acc_fp32", "fc2_no_tma") for c in (1, 2)}
+    assert set(report) == plain | {"wgrad_default", "wgrad_1", "wgrad_1_tma", "wgrad_2", "wgrad_2_tma",
+                                   "wgrad_64x128"}
     assert report["wgrad_default"]["consumers"] == 2
     for name, r in report.items():
         # no spills, also at 232-256 registers: the wgrad's column scales are read from shared memory at

@@ -20,8 +20,9 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py
   boundaries; a grid forced down to 1-7 programs (many tiles each) must give the same exact results,
   with runs of empty experts and one-block experts in between, and so must 3 CTAs per SM.
 - Engine labels: ``gluon`` (the default config), ``gluon-2`` (the plain GEMM with two consumer
-  partitions, a warpgroup per half of each tile's rows), ``gluon-1`` / ``gluon-no-tma`` (the wgrad
-  with one consumer partition / without the TMA store of dw), ``triton``.
+  partitions, a warpgroup per half of each tile's rows), ``gluon-1`` (the wgrad with one consumer
+  partition), ``gluon-no-tma`` (the plain GEMM / the wgrad without the TMA store of their tiles),
+  ``triton``. FP32 out too (the GEMMs of FC1 / the dGLU when their epilogues run alone).
 """
 
 from __future__ import annotations
@@ -71,20 +72,21 @@ def _reference(aq, wq, counts, bias):
     return ref, mag, row
 
 
-PLAIN_GLUON = ("gluon", "gluon-2")
+PLAIN_GLUON = ("gluon", "gluon-2", "gluon-no-tma")
 WGRAD_GLUON = ("gluon", "gluon-1", "gluon-no-tma")
 # label -> (engine, config fields)
-_PLAIN = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-2": ("gluon", dict(consumers=2))}
+_PLAIN = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-2": ("gluon", dict(consumers=2)),
+          "gluon-no-tma": ("gluon", dict(tma_store=False))}
 _WGRAD = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-1": ("gluon", dict(consumers=1, num_stages=5)),
           "gluon-no-tma": ("gluon", dict(tma_store=False))}
 
 
-def _run(label, aq, wq, counts, sched, bias, n, **config):
+def _run(label, aq, wq, counts, sched, bias, n, out_dtype=torch.bfloat16, **config):
     from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
 
     engine, fields = _PLAIN[label]
-    c = torch.full((aq.data.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine, **fields, **config)
+    c = torch.full((aq.data.shape[0], n), float("nan"), device="cuda", dtype=out_dtype)
+    cfg = dataclasses.replace(gemm.default_config("fc2"), plain_engine=engine, **{**fields, **config})
     gemm.launch("fc2", aq.data, aq.scale, wq.data, wq.scale, n, sched, counts.numel(), Q.FP8Spec(), c=c, bias=bias,
                 config=cfg)
     return c
@@ -124,6 +126,21 @@ def test_random_data_vs_fp64_and_triton(k_blocks, fmt, with_bias, routing):
         assert e["far"] == 0 and e["nan"] == 0 and e["pad"] == 0, (engine, errs)
     # same tiles, same 128-block partial sums promoted in the same K order
     assert all(torch.equal(outs[label], outs["triton"]) for label in PLAIN_GLUON), errs
+
+
+@pytest.mark.parametrize("routing", ["zipf", "balanced"])
+def test_fp32_output_vs_fp64_and_triton(routing):
+    """FP32 out (what the GEMMs of FC1 / the dGLU write when their epilogues run alone): a 64 KB staging
+    tile per TMA store, whole tiles by TMA, an expert's last tile read back and stored masked."""
+    aq, wq, counts, sched, _ = _problem(1100, 128 * 5, 256, 5, "e4m3", False, seed=41, routing=routing)
+    ref, mag, routed = _reference(aq, wq, counts, None)
+    outs = {label: _run(label, aq, wq, counts, sched, None, 256, torch.float32) for label in PLAIN_GLUON + ("triton",)}
+    for label, out in outs.items():
+        diff = (out[:routed].double() - ref[:routed]).abs()
+        far = int((diff > 2.0 ** -16 * ref[:routed].abs() + 2.0 ** -9 * mag[:routed]).sum())
+        print("WGMMA_FP32", routing, label, far, int(torch.isnan(out).sum()))
+        assert far == 0 and not torch.isnan(out).any() and int((out[routed:] != 0).sum()) == 0, label
+        assert torch.equal(out, outs["triton"]), label
 
 
 def test_no_host_syncs_and_dgrad_shapes():
@@ -189,7 +206,7 @@ def _run_wgrad(label, gq, xq, sched, dw_shape, **tiles):
 
     engine, fields = _WGRAD[label]
     dw = torch.full(dw_shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-    cfg = dataclasses.replace(W.default_config(gluon=engine == "gluon"), engine=engine, **fields, **tiles)
+    cfg = dataclasses.replace(W.default_config(gluon=engine == "gluon"), engine=engine, **{**fields, **tiles})
     if engine == "gluon" and cfg.num_warps < 8:
         cfg = dataclasses.replace(cfg, consumers=1)
     W.fp8_grouped_wgrad(gq, xq, sched, dw, config=cfg)

@@ -66,6 +66,11 @@ PLAIN_ENGINE = "auto"
 # at DSv3 on the H200 the dGLU GEMM alone takes ~1.05 ms and the fused dGLU kernel 2.86 ms (run 16b:
 # its 255-register, one-CTA-per-SM epilogue stalls on instruction fetch and latency with nothing to
 # overlap it); FC1 2.0-2.1 ms alone vs 2.85 fused.
+# How the Gluon plain GEMM stores its tiles: True = whole tiles through a shared-memory staging tile
+# and a TMA store that runs under the next tile's mainloop (an expert's last, partial tile is read
+# back from the staging tile and stored masked); False = masked stores from registers, which the
+# consumers wait for before their next tile
+PLAIN_TMA_STORE = True
 FC1_EPILOGUE = "auto"
 DACT_EPILOGUE = "auto"
 # The epilogue alone runs at 16 warps (128 registers): dGLU 1.98 -> 1.75 ms at DSv3 vs 8 warps, FC1
@@ -94,6 +99,7 @@ class FP8GemmConfig:
     # ...its consumer partitions: 2 = a warpgroup per half of each tile's rows, not in step (run 19e:
     # even with 1 for the plain GEMMs, FC2 0.98 vs 0.95 ms, the dGLU's GEMM 0.81 vs 0.86)
     consumers: int = 1
+    tma_store: Optional[bool] = None  # ...its stores by TMA (see PLAIN_TMA_STORE); None = PLAIN_TMA_STORE
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> FP8GemmConfig:
@@ -397,7 +403,8 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         from .wgmma_ws import launch_plain
 
         return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
-                            num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm, consumers=cfg.consumers)
+                            num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm, consumers=cfg.consumers,
+                            tma_store=PLAIN_TMA_STORE if cfg.tma_store is None else cfg.tma_store)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
     if acc_in:
         # the GEMM alone (all of B's rows: FC1's gate and up halves) into FP32 with the fastest plain

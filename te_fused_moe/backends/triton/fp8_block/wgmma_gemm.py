@@ -105,8 +105,22 @@ def _store_rows(c_ptr, stride_cm, row0, row_end, col0, tile, BLOCK_M: gl.constex
                 num_warps: gl.constexpr):
     """Stores the [BLOCK_M, BLOCK_N] ``tile`` at (row0, col0) over the rows before ``row_end``, in 16-byte
     row vectors (the wgmma layout would store 4 bytes per thread)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-    out = gl.convert_layout(tile.to(c_ptr.dtype.element_ty), layout)
+    out = gl.convert_layout(tile.to(c_ptr.dtype.element_ty), _row_vectors(num_warps))
+    _store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, out, BLOCK_M, BLOCK_N, num_warps)
+
+
+@gluon.constexpr_function
+def _row_vectors(num_warps):
+    """The layout :func:`_store_row_vectors` stores from: 8 consecutive columns per thread."""
+    return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """Stores ``out`` (in :func:`_row_vectors`, ``c``'s dtype) at (row0, col0) over the rows before
+    ``row_end``."""
+    layout: gl.constexpr = _row_vectors(num_warps)
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
@@ -238,12 +252,28 @@ def scale_descriptor(scale_t: torch.Tensor, block: int):
     return TensorDescriptor(scale_t, list(scale_t.shape), [scale_t.stride(0), 1], [1, block], layout)
 
 
+def store_descriptor(t: torch.Tensor, block_rows: int, block_cols: int, dtypes=None):
+    """A TMA descriptor of a 2-D ``t`` in [block_rows, block_cols] boxes that a kernel stores through,
+    or None where TMA cannot store it: not of ``dtypes`` (default: 16- and 32-bit floats), not unit
+    inner stride, or base or rows not 16-byte aligned."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtypes = _GL_STORED if dtypes is None else dtypes
+    if (t.dtype not in dtypes or t.dim() != 2 or t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16
+            or t.data_ptr() % 16):
+        return None
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, block_cols], dtypes[t.dtype])
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols], layout)
+
+
 def descriptors(a: torch.Tensor, b: torch.Tensor):
     """Descriptors of ``a`` [T, K] and of ``b`` [E, rows, K] seen as [E * rows, K]."""
     return descriptor(a, BM), descriptor(b.view(b.shape[0] * b.shape[1], b.shape[2]), BN)
 
 
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+GL_16BIT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_GL_STORED = {**GL_16BIT, torch.float32: gl.float32}
 
 
 def usable(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,9 +18,11 @@ Options:
 - ``consumers`` = 2: two consumer partitions, a warpgroup per half of each tile's rows, each with its
   own barrier and its own arrive on a stage's ``empty`` barrier (which counts two), so they do not
   wait for each other every block (the wgrad's leading ncu stall with one partition, run 19d).
-- ``tma_store`` (wgrad): each dw tile goes out through a shared-memory staging tile and a TMA store
-  that runs under the next tile's mainloop: at ~8 token blocks per tile the store was most of the
-  per-tile overhead (run 19c).
+- ``tma_store``: each output tile goes out through a shared-memory staging tile and a TMA store that
+  runs under the next tile's mainloop. The wgrad: at ~8 token blocks per tile the store was most of
+  the per-tile overhead (run 19c). The plain GEMM: whole tiles only (TMA cannot mask rows, and an
+  expert's last tile ends inside the next expert's rows); that partial tile is read back from the
+  staging tile and stored masked.
 
 Register budget (``maxnreg`` at launch, per thread, over the warps rounded up to warpgroups): the
 producer's warpgroup gives back all but 24, the consumers get the rest (:func:`launch_maxnreg`,
@@ -96,12 +98,14 @@ def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr
 
 
 @gluon.jit
-def _plain_consumer(ring, src, params, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    BAND: gl.constexpr, BANDS: gl.constexpr, num_warps: gl.constexpr):
+def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr,
+                    num_warps: gl.constexpr):
     """The plain GEMM's tiles ``program_id, + grid, ...`` in the producer's order, rows ``BAND`` of ``BANDS``
     of each on ``num_warps`` warps: the promoted mainloop (scales: one per row of A, each thread
-    holding its rows', times one scalar of B per K block), bias, store; zeros on the padding group's
-    rows. ``params``: the kernel's runtime arguments from ``as_ptr`` to ``N`` but the schedule."""
+    holding its rows', times one scalar of B per K block), bias, store (:func:`_store_plain_tile`);
+    zeros on the padding group's rows. ``params``: the kernel's runtime arguments from ``as_ptr`` to
+    ``N`` but the schedule."""
     (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk, c_ptr, stride_cm, bias_ptr,
      stride_bias_e, T, N) = params
     TILE_M: gl.constexpr = ring[0].block_type.shape[0]
@@ -109,6 +113,10 @@ def _plain_consumer(ring, src, params, HAS_BIAS: gl.constexpr, GROUP_M: gl.const
     BLOCK_M: gl.constexpr = TILE_M // BANDS
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BLOCK_N, 32])
+    if TMA_STORE:
+        staging = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    else:
+        staging = ring[2]  # unused
     sched_ptr, NUM_GROUPS, k_tiles = src[0], src[5], src[7]
     used = 0
     for tile in range(gl.program_id(0), src[1], src[2]):
@@ -117,8 +125,7 @@ def _plain_consumer(ring, src, params, HAS_BIAS: gl.constexpr, GROUP_M: gl.const
         row0 += BAND * BLOCK_M
         if pid_m < num_tiles:
             if group == NUM_GROUPS - 1:
-                W._store_rows(c_ptr, stride_cm, row0, row_end, pid_n * BLOCK_N,
-                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), BLOCK_M, BLOCK_N, num_warps)
+                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             else:
                 rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), T - 1)
                 sb_ptr = bs_ptr + group.to(gl.int64) * stride_bse + ((pid_n * BLOCK_N) // 128) * stride_bsn
@@ -128,20 +135,47 @@ def _plain_consumer(ring, src, params, HAS_BIAS: gl.constexpr, GROUP_M: gl.const
                 if HAS_BIAS:
                     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
                     acc = acc + gl.load(bias_ptr + group * stride_bias_e + cols).to(gl.float32)[None, :]
-                W._store_rows(c_ptr, stride_cm, row0, row_end, pid_n * BLOCK_N, acc, BLOCK_M, BLOCK_N, num_warps)
+            _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, pid_n * BLOCK_N, TMA_STORE,
+                              num_warps)
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col0, TMA_STORE: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """Stores a plain tile's rows before ``row_end`` (the next expert's rows follow). ``TMA_STORE``: through
+    the shared-memory ``staging`` tile, by a TMA store that runs under the next tile's mainloop where
+    the tile is whole, else (an expert's last tile) read back in row vectors and stored masked."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    if TMA_STORE:
+        tma.store_wait(0)  # the previous tile's store has read the staging tile
+        gl.thread_barrier()  # ...and every warp has read back a partial one
+        staging.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        if row0 + BLOCK_M <= row_end:
+            tma.async_copy_shared_to_global(c_desc, [row0, col0], staging)
+        else:
+            W._store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, staging.load(W._row_vectors(num_warps)),
+                                 BLOCK_M, BLOCK_N, num_warps)
+    else:
+        W._store_rows(c_ptr, stride_cm, row0, row_end, col0, acc, BLOCK_M, BLOCK_N, num_warps)
 
 
 @gluon.jit
 def fp8_block_gemm_ws_kernel(
     a_desc, as_ptr, stride_asm, stride_ask,
     b_desc, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS,
-    c_ptr, stride_cm, bias_ptr, stride_bias_e, sched_ptr,
+    c_ptr, c_desc, stride_cm, bias_ptr, stride_bias_e, sched_ptr,
     T, N, K, MAX_M_TILES, NUM_GROUPS,
-    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-    CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+    HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+    CONSUMERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, persistent over the tiles (``CONSUMERS``
-    partitions of ``num_warps`` consumer warps each, and the producer)."""
+    partitions of ``num_warps`` consumer warps each, and the producer). ``c_desc``: ``c`` in boxes of a
+    partition's tile, used with ``TMA_STORE``."""
     num_pid_n = N // b_desc.block_type.shape[0]
     k_tiles = K // a_desc.block_type.shape[1]
     src = (sched_ptr, MAX_M_TILES * num_pid_n, gl.num_programs(0), MAX_M_TILES, num_pid_n, NUM_GROUPS, B_ROWS,
@@ -154,15 +188,15 @@ def fp8_block_gemm_ws_kernel(
     # partitions' argument tuples are written out: a tuple built by concatenation or bound to a name
     # reaches them with its constexprs turned into Python values, which they cannot take.)
     if CONSUMERS == 1:
-        gl.warp_specialize([(_plain_consumer, (ring, src, p, HAS_BIAS, GROUP_M, NUM_STAGES, FIRST_BAND, CONSUMERS,
-                                               num_warps)),
+        gl.warp_specialize([(_plain_consumer, (ring, src, p, c_desc, HAS_BIAS, GROUP_M, NUM_STAGES, TMA_STORE,
+                                               FIRST_BAND, CONSUMERS, num_warps)),
                             (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False))],
                            [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
-        gl.warp_specialize([(_plain_consumer, (ring, src, p, HAS_BIAS, GROUP_M, NUM_STAGES, FIRST_BAND, CONSUMERS,
-                                               num_warps)),
-                            (_plain_consumer, (ring, src, p, HAS_BIAS, GROUP_M, NUM_STAGES, SECOND_BAND, CONSUMERS,
-                                               num_warps)),
+        gl.warp_specialize([(_plain_consumer, (ring, src, p, c_desc, HAS_BIAS, GROUP_M, NUM_STAGES, TMA_STORE,
+                                               FIRST_BAND, CONSUMERS, num_warps)),
+                            (_plain_consumer, (ring, src, p, c_desc, HAS_BIAS, GROUP_M, NUM_STAGES, TMA_STORE,
+                                               SECOND_BAND, CONSUMERS, num_warps)),
                             (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False))],
                            [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
@@ -276,11 +310,12 @@ def _partitions(num_warps: int, consumers: int, ctas_per_sm: int, tile_elements:
 
 def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, n: int,
                  schedule: torch.Tensor, num_experts: int, c: torch.Tensor, bias, *, group_m: int, num_stages: int,
-                 ctas_per_sm: int, consumers: int):
+                 ctas_per_sm: int, consumers: int, tma_store: bool):
     """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, zeros on the padding rows (see
     :mod:`.wgmma_gemm`), ``ctas_per_sm`` persistent programs per SM (0 counts as 1), ``consumers``
-    consumer partitions (:func:`_partitions`). The caller has checked K % 128 == N % 128 == 0 and
-    :func:`.wgmma_gemm.usable`."""
+    consumer partitions (:func:`_partitions`); ``tma_store``: whole tiles stored by TMA where ``c``
+    allows it (16- or 32-bit floats, 16-byte aligned rows). The caller has checked K % 128 == N % 128
+    == 0 and :func:`.wgmma_gemm.usable`."""
     import triton
 
     from ..schedule import max_m_tiles
@@ -289,32 +324,27 @@ def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     ctas_per_sm = max(1, ctas_per_sm)
     m_tiles = max_m_tiles(num_rows, num_experts, W.BM)
     a_desc, b_desc = W.descriptors(a, b)
+    c_desc = W.store_descriptor(c, W.BM // consumers, W.BN) if tma_store else None
     dummy = a_scale
     grid = W.persistent_grid(m_tiles * triton.cdiv(n, W.BN), a.device, ctas_per_sm)
     fp8_block_gemm_ws_kernel[(grid,)](
         a_desc, a_scale, a_scale.stride(0), a_scale.stride(1),
         b_desc, b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
-        c, c.stride(0), bias if bias is not None else dummy, bias.stride(0) if bias is not None else 0, schedule,
+        c, c_desc if c_desc is not None else a_desc, c.stride(0), bias if bias is not None else dummy,
+        bias.stride(0) if bias is not None else 0, schedule,
         num_rows, n, k, m_tiles, num_experts + 1,
-        HAS_BIAS=bias is not None, GROUP_M=group_m, NUM_STAGES=num_stages,
+        HAS_BIAS=bias is not None, GROUP_M=group_m, NUM_STAGES=num_stages, TMA_STORE=c_desc is not None,
         **_partitions(W.NUM_WARPS, consumers, ctas_per_sm, W.BM * W.BN),
     )
     return c
 
 
-def _store_descriptor(dw: torch.Tensor, block_n: int, block_k: int):
+def _wgrad_store_descriptor(dw: torch.Tensor, block_n: int, block_k: int):
     """A TMA descriptor of ``dw`` [E, N, K] as [E * N, K] in [block_n, block_k] boxes, or None where TMA
-    cannot store it (not contiguous, not 16-byte aligned, not 16-bit)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    if dw.dtype not in _GL_16BIT or not dw.is_contiguous() or dw.data_ptr() % 16:
+    cannot store it (not contiguous, not 16-byte aligned, not 16-bit: FP32 dw was not measured)."""
+    if not dw.is_contiguous():
         return None
-    flat = dw.view(dw.shape[0] * dw.shape[1], dw.shape[2])
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], _GL_16BIT[dw.dtype])
-    return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [block_n, block_k], layout)
-
-
-_GL_16BIT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+    return W.store_descriptor(dw.view(dw.shape[0] * dw.shape[1], dw.shape[2]), block_n, block_k, W.GL_16BIT)
 
 
 def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, *, block_n: int, block_k: int, group_n: int,
@@ -329,7 +359,7 @@ def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, *, block_n: int
     tiles = num_experts * (n // block_n) * (k // block_k)
     launch = _partitions(num_warps, consumers, ctas_per_sm, block_n * block_k)
     g_desc = W.descriptor(g.data_t, block_n)
-    dw_desc = _store_descriptor(dw, block_n // consumers, block_k) if tma_store else None
+    dw_desc = _wgrad_store_descriptor(dw, block_n // consumers, block_k) if tma_store else None
     fp8_block_wgrad_ws_kernel[(W.persistent_grid(tiles, dw.device, ctas_per_sm),)](
         g_desc, g.scale_t, g.scale_t.stride(0),
         W.descriptor(x.data_t, block_k), W.scale_descriptor(x.scale_t, block_k),
