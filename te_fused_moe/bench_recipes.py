@@ -251,13 +251,16 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
 # with the Triton wgrad (the default before run 19), or with the Gluon wgrad's consumers in one
-# partition (run 19's first default)
+# partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
+# before run 20) or in two consumer partitions
 VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
                           "fp8_block_fused_triton_wgrad": _fused_under("fp8_block", wgrad=dict(WGRAD_ENGINE="triton")),
                           "fp8_block_fused_plain_no_tma_store": _fused_under("fp8_block",
                                                                              gemm=dict(PLAIN_TMA_STORE=False)),
+                          "fp8_block_fused_plain_two_consumers": _fused_under("fp8_block",
+                                                                              gemm=dict(PLAIN_CONSUMERS=2)),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
                                                                               wgrad=dict(WGRAD_CONSUMERS=1))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},

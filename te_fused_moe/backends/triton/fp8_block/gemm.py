@@ -71,6 +71,12 @@ PLAIN_ENGINE = "auto"
 # back from the staging tile and stored masked); False = masked stores from registers, which the
 # consumers wait for before their next tile
 PLAIN_TMA_STORE = True
+# ...and its consumer partitions: 1 = both warpgroups in one partition; 2 = a warpgroup per half of
+# each tile's rows, each handing its stages back and storing its half on its own, not in step with
+# the other. Even at DSv3, with the TMA store as without (run 19e): FC2 / FC1 dgrad / the GEMMs of FC1
+# and the dGLU 0.92 / 1.59 / 1.75 / 0.87 ms with two vs 0.94 / 1.81 / 1.74 / 0.89 with one in run 20b,
+# 0.95 / 1.76 / 1.74 / 0.87 vs 0.90 / 1.78 / 1.69 / 0.88 in run 20c; the MLP 10.99 vs 11.01 ms (20c)
+PLAIN_CONSUMERS = 1
 FC1_EPILOGUE = "auto"
 DACT_EPILOGUE = "auto"
 # The epilogue alone runs at 16 warps (128 registers): dGLU 1.98 -> 1.75 ms at DSv3 vs 8 warps, FC1
@@ -96,9 +102,7 @@ class FP8GemmConfig:
     alone_maxnreg: Optional[int] = None
     # the Gluon plain GEMM: persistent programs per SM (one: 12 warps at 168 registers fill an SM's)
     ctas_per_sm: int = 1
-    # ...its consumer partitions: 2 = a warpgroup per half of each tile's rows, not in step (run 19e:
-    # even with 1 for the plain GEMMs, FC2 0.98 vs 0.95 ms, the dGLU's GEMM 0.81 vs 0.86)
-    consumers: int = 1
+    consumers: Optional[int] = None  # ...its consumer partitions (see PLAIN_CONSUMERS); None = PLAIN_CONSUMERS
     tma_store: Optional[bool] = None  # ...its stores by TMA (see PLAIN_TMA_STORE); None = PLAIN_TMA_STORE
 
 
@@ -403,7 +407,8 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         from .wgmma_ws import launch_plain
 
         return launch_plain(a, a_scale, b, b_scale, n, schedule, num_experts, c, bias, group_m=cfg.group_m,
-                            num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm, consumers=cfg.consumers,
+                            num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm,
+                            consumers=PLAIN_CONSUMERS if cfg.consumers is None else cfg.consumers,
                             tma_store=PLAIN_TMA_STORE if cfg.tma_store is None else cfg.tma_store)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
     if acc_in:
