@@ -97,6 +97,25 @@ def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr
     return a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty
 
 
+@gluon.constexpr_function
+def _accumulator_layout(num_warps, block_n):
+    """A consumer's FP32 accumulator in the wgmma layout: ``num_warps`` warps down the rows, instructions
+    ``block_n`` wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 32])
+
+
+@gluon.jit
+def _stage(acc, staging):
+    """Writes ``acc`` into the shared-memory ``staging`` tile (in its dtype) for a TMA store: waits for the
+    previous tile's store to have read it (and every warp to have read back a partial tile, see
+    :func:`_store_plain_tile`), then fences the writes for the TMA engine (async proxy)."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    staging.store(acc.to(staging.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
 @gluon.jit
 def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr,
@@ -111,8 +130,7 @@ def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: 
     TILE_M: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_N: gl.constexpr = ring[1].block_type.shape[0]
     BLOCK_M: gl.constexpr = TILE_M // BANDS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_N, 32])
+    mma: gl.constexpr = _accumulator_layout(num_warps, BLOCK_N)
     if TMA_STORE:
         staging = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     else:
@@ -150,11 +168,7 @@ def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col
     BLOCK_M: gl.constexpr = acc.shape[0]
     BLOCK_N: gl.constexpr = acc.shape[1]
     if TMA_STORE:
-        tma.store_wait(0)  # the previous tile's store has read the staging tile
-        gl.thread_barrier()  # ...and every warp has read back a partial one
-        staging.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
+        _stage(acc, staging)
         if row0 + BLOCK_M <= row_end:
             tma.async_copy_shared_to_global(c_desc, [row0, col0], staging)
         else:
@@ -213,8 +227,7 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
     TILE_N: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_K: gl.constexpr = ring[1].block_type.shape[0]
     BLOCK_N: gl.constexpr = TILE_N // BANDS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK_K, 32])
+    mma: gl.constexpr = _accumulator_layout(num_warps, BLOCK_K)
     if TMA_STORE:
         staging = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     used = 0
@@ -229,11 +242,7 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
         else:
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma)
         if TMA_STORE:
-            tma.store_wait(0)  # the previous tile's store has read the staging tile
-            gl.thread_barrier()
-            staging.store(acc.to(dw_desc.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
+            _stage(acc, staging)
             tma.async_copy_shared_to_global(dw_desc, [expert * N + row0, pid_k * BLOCK_K], staging)
         else:
             W._store_rows(dw_ptr + expert.to(gl.int64) * stride_dw_e, stride_dw_n, row0, N, pid_k * BLOCK_K, acc,
