@@ -252,7 +252,7 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
 # with the Triton wgrad (the default before run 19), or with the Gluon wgrad's consumers in one
 # partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
-# before run 20) or in two consumer partitions, or with the Triton quantize pass (the default before run 21)
+# before run 20) or in two consumer partitions
 VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
@@ -262,9 +262,7 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_bl
                           "fp8_block_fused_plain_two_consumers": _fused_under("fp8_block",
                                                                               gemm=dict(PLAIN_CONSUMERS=2)),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
-                                                                              wgrad=dict(WGRAD_CONSUMERS=1)),
-                          "fp8_block_fused_triton_quantize": _fused_under("fp8_block",
-                                                                          quantize=dict(QUANTIZE_ENGINE="triton"))},
+                                                                              wgrad=dict(WGRAD_CONSUMERS=1))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
@@ -340,7 +338,6 @@ def bench_impl(name: str, shape: bench.Shape, inputs, peak: float, fn) -> Dict:
 
 def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm_config=None, epilogue_config=None,
                   wgrad_config=None, quantize_warps: Optional[int] = None, quantize_maxnreg: Optional[int] = None,
-                  quantize_engine: Optional[str] = None,
                   quantized_operands: bool = False) -> Dict[str, Dict[str, float]]:
     """Each kernel of ``recipe``'s fused path alone: ms, TFLOP/s (GEMMs) or GB/s (quantize: BF16 read,
     FP8 rowwise + columnwise written; scales not counted); optionally with given block configs
@@ -363,8 +360,7 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
     routed = int(counts.sum())
     kw = act.launch_args
     sched = build_schedule(counts, T, k.tile)
-    quantize_kw = {} if recipe != "fp8_block" else dict(num_warps=quantize_warps, maxnreg=quantize_maxnreg,
-                                                        engine=quantize_engine)
+    quantize_kw = {} if recipe != "fp8_block" else dict(num_warps=quantize_warps, maxnreg=quantize_maxnreg)
     quantize = lambda t: k.quantize_rows(t, sched, E, spec, rowwise=True, colwise=True, **quantize_kw)
     w1q, w2q = k.quantize_weight(w1, spec), k.quantize_weight(w2, spec)
     xq, dyq = quantize(x), quantize(dy)
@@ -465,14 +461,10 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),
-            # quantize: the Triton kernel (the default before run 21) at its default launch and at other
-            # warps / register caps (more CTAs per SM: one's loads under another's math), and the Gluon
-            # kernel at one CTA per SM instead of two (a launch cap of 168 registers)
-            "quantize_triton": dict(quantize_engine="triton"),
-            "quantize_triton_w16_r255": dict(quantize_warps=16, quantize_maxnreg=255, quantize_engine="triton"),
-            "quantize_triton_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64, quantize_engine="triton"),
-            "quantize_triton_w4_r128": dict(quantize_warps=4, quantize_maxnreg=128, quantize_engine="triton"),
-            "quantize_gluon_1cta": dict(quantize_maxnreg=168),
+            # quantize: register caps that let two CTAs share an SM (one's loads under the other's math)
+            "quantize_w16_r255": dict(quantize_warps=16, quantize_maxnreg=255),  # the default before run 16
+            "quantize_w16_r64": dict(quantize_warps=16, quantize_maxnreg=64),
+            "quantize_w4_r128": dict(quantize_warps=4, quantize_maxnreg=128),
             # the epilogues alone (FC1, dGLU): warps and register caps (more CTAs per SM overlap one's
             # loads with another's math), and the unsplit epilogue
             "alone_w8_r128": dict(epilogue_config=G(num_stages=3, alone_warps=8, alone_maxnreg=128)),

@@ -587,27 +587,16 @@ def test_supports_names_the_recipe_subset():
 def sm90_build_report() -> dict:
     """Offline sm_90a builds (tests/sm90_build.py) of the quantize pass and the FC1 / dGLU epilogues alone
     as the fused path launches them (power-of-two scales, E4M3; swiglu)."""
-    from sm90_build import build_gluon_sm90, build_sm90
+    from sm90_build import build_sm90
 
-    from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q, quantize_gluon as QG
+    from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
 
-    quantize_types = {"x_ptr": "*bf16", "q_ptr": "*u8", "qs_ptr": "*fp32", "qt_ptr": "*u8", "qts_ptr": "*fp32",
-                      "colsum_ptr": "*fp32", "sched_ptr": "*i32", "value_for_inf": "fp32"}
-    flags = dict(ROWWISE=True, COLWISE=True, COLSUM=False, **Q.FP8Spec.of("e4m3", True).constexprs())
-    report = {"quantize": build_sm90(Q.quantize_tiles_kernel, quantize_types, dict(flags, BM=128, BK=128),
-                                     num_warps=Q.QUANTIZE_WARPS)}
-    # the Gluon quantize pass (the default on sm_90) as the forward runs it, and as the backward does on
-    # dy (E5M2 under Format.HYBRID, with the bias gradient's column sums)
-    from triton.runtime.jit import mangle_type
-
-    gluon_types = {name: t for name, t in quantize_types.items() if name not in ("x_ptr", "qt_ptr")}
-    gluon_types["x_desc"] = mangle_type(QG.descriptor(torch.empty(1024, 1024, dtype=torch.bfloat16)))
-    gluon_types["qt_desc"] = mangle_type(QG.descriptor(torch.empty(1024, 1024, dtype=torch.uint8)))
-    gluon_flags = dict(flags, GROUP_M=Q.QUANTIZE_GLUON_GROUP_M, STAGES=Q.QUANTIZE_GLUON_STAGES)
-    for name, changes in (("quantize_gluon", {}),
-                          ("quantize_gluon_e5m2_colsum", dict(COLSUM=True, **Q.FP8Spec.of("e5m2", True).constexprs()))):
-        report[name] = build_gluon_sm90(QG.quantize_tiles_gluon_kernel, gluon_types, dict(gluon_flags, **changes),
-                                        num_warps=QG.NUM_WARPS, maxnreg=Q.QUANTIZE_GLUON_MAXNREG)
+    report = {"quantize": build_sm90(
+        Q.quantize_tiles_kernel,
+        {"x_ptr": "*bf16", "q_ptr": "*u8", "qs_ptr": "*fp32", "qt_ptr": "*u8", "qts_ptr": "*fp32", "colsum_ptr": "*fp32",
+         "sched_ptr": "*i32", "value_for_inf": "fp32"},
+        dict(ROWWISE=True, COLWISE=True, COLSUM=False, **Q.FP8Spec.of("e4m3", True).constexprs(), BM=128, BK=128),
+        num_warps=Q.QUANTIZE_WARPS)}
     types = {"a_src": "*fp8e4nv", "b_src": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*fp32",
              "q_ptr": "*u8", "qs_ptr": "*fp32", "qt_ptr": "*u8", "qts_ptr": "*fp32", "h_ptr": "*bf16", "bias_ptr": "*bf16",
              "probs_ptr": "*fp32", "dprob_ptr": "*fp32", "dbias_ptr": "*fp32", "sched_ptr": "*i32", "alpha": "fp32",
@@ -625,9 +614,8 @@ def sm90_build_report() -> dict:
 def test_quantize_and_epilogues_build_lean_for_sm90a():
     """These kernels are bound by their instructions (run 18 ncu), so CI guards their count: power-of-two
     scales without IEEE division (no FCHK slow-path checks), one cvt per two codes (two copies of 64
-    values per thread in the quantize pass), and the Triton quantize pass within 2000 instructions (1720
-    when written, 1672 with nan_free_abs as one max; 2880 with divisions and per-byte NaN selects); the
-    Gluon one (fp8_block/quantize_gluon.py) as it must launch, two CTAs per SM."""
+    values per thread in the quantize pass), and the quantize pass within 2000 instructions (1720 when
+    written, 1672 with nan_free_abs as one max; 2880 with divisions and per-byte NaN selects)."""
     from sm90_build import have_tools, report_in_subprocess, tools_dir
 
     if not have_tools():
@@ -635,12 +623,5 @@ def test_quantize_and_epilogues_build_lean_for_sm90a():
     report = report_in_subprocess("test_triton_fp8_block_interpreter")
     q = report["quantize"]
     assert q["fchk"] == 0 and q["f2fp"] == 64 and q["instructions"] <= 2000 and q["stack"] <= 16, q
-    # the Gluon pass (warp-specialised: the consumers' code, the producer's, the ring): two CTAs share an
-    # SM (shared memory, and the launch cap of 80 registers that gives the consumers 104), no spills but
-    # 8 bytes with the column sums; 1408 / 1624 instructions in all when written
-    for name in ("quantize_gluon", "quantize_gluon_e5m2_colsum"):
-        g = report[name]
-        assert g["fchk"] == 0 and g["f2fp"] == 64 and g["stack"] <= 8 and g["instructions"] <= 1800, (name, g)
-        assert g["setmaxnreg_max"] == 104 and 2 * g["shared"] <= 227 * 1024, (name, g)
     for name in ("fc1_alone", "dglu_alone"):
         assert report[name]["fchk"] == 0 and report[name]["stack"] <= 128, (name, report[name])

@@ -21,7 +21,6 @@ measured errors). The checks are those of tests/test_triton_fp8_block_interprete
 import json
 
 import pytest
-import torch
 
 from block_scaled_checks import assert_within, no_host_syncs
 from moe_reference import graph_replay_errors
@@ -103,93 +102,3 @@ def test_refuses_shapes_and_auto_falls_back_on_gpu():
     d = checks.check_dispatch("cuda")
     assert "needs the hidden size to be a multiple of 128, got 96" in d["refused"], d
     assert d["auto_equals_reference"], d
-
-
-def _specials(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """``x`` over a wide dynamic range (per row and per column) with NaNs and infinities of both signs at
-    random places, a row of NaNs (an all-NaN rowwise block: amax 0), a zero column and a zero row."""
-    T, K = x.shape
-    x = x * torch.exp(torch.randn(T, 1, generator=gen) * 3) * torch.exp(torch.randn(1, K, generator=gen))
-    flat = x.view(-1)
-    for value in (float("nan"), float("inf"), -float("inf"), -float("nan")):
-        flat[torch.randint(0, flat.numel(), (max(1, flat.numel() // 5000),), generator=gen)] = value
-    x[int(torch.randint(0, T, (1,), generator=gen)), :128] = float("nan")
-    x[:, int(torch.randint(0, K, (1,), generator=gen))] = 0.0
-    x[int(torch.randint(0, T, (1,), generator=gen)), :] = 0.0
-    return x
-
-
-@pytest.mark.parametrize("rowwise,colwise", [(True, True), (True, False), (False, True)])
-def test_gluon_quantize_pass_equals_triton_bitwise(rowwise, colwise):
-    """The Gluon quantize pass (the default on sm_90, fp8_block/quantize_gluon.py) writes the Triton
-    kernel's bytes and scales bit for bit: BF16 and FP16 inputs, E4M3 / E5M2, power-of-two and RN scales,
-    ragged routings with empty experts and padding rows, NaN / Inf / zero blocks; outputs poisoned
-    (NaN, code 0x7F) so that unwritten elements show."""
-    from moe_reference import make_counts
-
-    from te_fused_moe.backends.triton.fp8_block import quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule
-
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-    for dtype, fmt, pow2, routing, T, K in ((torch.bfloat16, "e4m3", True, "empty", 1000, 384),
-                                            (torch.bfloat16, "e5m2", True, "zipf", 777, 256),
-                                            (torch.float16, "e4m3", False, "balanced", 513, 128),
-                                            (torch.float16, "e4m3", True, "one", 300, 1024),
-                                            (torch.bfloat16, "e4m3", False, "zipf", 2048, 512)):
-        E = 8
-        spec = Q.FP8Spec.of(fmt, pow2)
-        x = _specials(torch.randn(T, K, generator=gen), gen).to(dtype).cuda()
-        counts = make_counts(T, E, routing, generator=gen, padding=13).cuda()
-        sched = build_schedule(counts, T, 128)
-        assert Q._quantize_on_gluon("auto", x)
-        out = {engine: Q.quantize_rows(x, sched, E, spec, rowwise=rowwise, colwise=colwise,
-                                       value_for_inf=float(torch.finfo(dtype).max), engine=engine,
-                                       alloc=lambda *a, **k: checks._poisoned(torch.empty(*a, **k)))
-               for engine in ("triton", "gluon")}
-        for field in ("data", "scale", "data_t", "scale_t"):
-            t, g = getattr(out["triton"], field), getattr(out["gluon"], field)
-            assert (t is None) == (g is None), field
-            if t is not None:
-                bits = torch.int32 if t.dtype == torch.float32 else torch.uint8
-                bad = int((t.contiguous().view(bits) != g.contiguous().view(bits)).sum())
-                assert bad == 0, f"{dtype} {fmt} pow2={pow2} {routing} T={T} K={K}: {field} differs in {bad} places"
-
-
-def test_gluon_quantize_pass_column_sums():
-    """The Gluon pass's per-tile column sums of dy (for db2) vs FP64, in a different order than the
-    Triton kernel's: within FP32 rounding of the sum of magnitudes."""
-    from moe_reference import make_counts
-
-    from te_fused_moe.backends.triton.fp8_block import quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles, schedule_table
-
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
-    T, K, E = 1500, 512, 8
-    x = (torch.randn(T, K, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen))).to(torch.bfloat16).cuda()
-    counts = make_counts(T, E, "zipf", generator=gen, padding=9).cuda()
-    sched = build_schedule(counts, T, 128)
-    sums = checks._poisoned(torch.empty(max_m_tiles(T, E, 128), K, device="cuda"))
-    Q.quantize_rows(x, sched, E, Q.FP8Spec(), rowwise=True, colwise=True, col_sums=sums, engine="gluon")
-    tab = schedule_table(sched, E).cpu()
-    xd = x.double().cpu()
-    for grp in range(E + 1):
-        ts, te_, rs, re_ = (int(v) for v in tab[:, grp])
-        for tile in range(ts, te_):
-            rows = xd[rs + 128 * (tile - ts): min(rs + 128 * (tile - ts + 1), re_)]
-            err = (sums[tile].double().cpu() - rows.sum(0)).abs()
-            assert bool((err <= 1e-6 * rows.abs().sum(0) + 1e-30).all()), (grp, tile, float(err.max()))
-
-
-def test_gluon_quantize_pass_falls_back_or_says_why():
-    """FP32 x (a TMA stage would halve the CTAs per SM) and K not a multiple of 128 run the Triton kernel
-    under "auto"; "gluon" names what is missing."""
-    from te_fused_moe.backends.triton.fp8_block import quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule
-
-    sched = build_schedule(torch.tensor([100, 156], device="cuda"), 256, 128)
-    for x in (torch.randn(256, 256, device="cuda"), torch.randn(256, 200, device="cuda", dtype=torch.bfloat16)):
-        assert not Q._quantize_on_gluon("auto", x)
-        Q.quantize_rows(x, sched, 2, Q.FP8Spec(), rowwise=True, colwise=True)
-        with pytest.raises(ValueError, match="engine='gluon': the Gluon FP8 block quantize pass needs an sm_90 GPU, "
-                                             "16-bit x with K a multiple of 128"):
-            Q.quantize_rows(x, sched, 2, Q.FP8Spec(), engine="gluon")

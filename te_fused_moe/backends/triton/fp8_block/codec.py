@@ -44,11 +44,10 @@ def block_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr, value_for_inf):
     if POW2:
         return _pow2_block_scale(amax, degenerate, FP8_MAX, value_for_inf)
     safe = tl.where(degenerate, 1.0, amax)
-    # constants shaped like amax by where(), not full() (see _pow2_block_scale)
-    scale = tl.math.div_rn(tl.where(degenerate, FP8_MAX, FP8_MAX), safe)
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe)
     scale = tl.where(scale == float("inf"), value_for_inf, scale)
     scale = tl.where(degenerate, 1.0, scale)
-    inv = tl.math.div_rn(tl.where(degenerate, 1.0, 1.0), scale)
+    inv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     return scale, inv
 
 
@@ -69,12 +68,9 @@ def _pow2_block_scale(amax, degenerate, FP8_MAX: tl.constexpr, value_for_inf):
     ``amax``; it is never subnormal (``amax <= FLT_MAX``). ``1 / 2^k`` is exact: subnormal for k = 127."""
     bits = amax.to(tl.uint32, bitcast=True)
     exp = (bits >> 23).to(tl.int32)
-    # constants shaped like amax by where(), not full(): Gluon kernels call this too (their full() needs
-    # a layout); the compiler folds them
-    max_bits = tl.where(degenerate, FP8_MAX, FP8_MAX).to(tl.uint32, bitcast=True)
+    max_bits = tl.full([], FP8_MAX, tl.float32).to(tl.uint32, bitcast=True)
     k = (max_bits >> 23).to(tl.int32) - exp - ((bits & 0x7FFFFF) > (max_bits & 0x7FFFFF)).to(tl.int32)
-    k_inf = (tl.where(degenerate, value_for_inf, value_for_inf).to(tl.float32).to(tl.uint32, bitcast=True)
-             >> 23).to(tl.int32) - 127
+    k_inf = (tl.full([], value_for_inf, tl.float32).to(tl.uint32, bitcast=True) >> 23).to(tl.int32) - 127
     k = tl.where((k > 127) | (exp == 0), k_inf, k)
     k = tl.where(degenerate, 0, k)
     scale = ((k + 127) << 23).to(tl.float32, bitcast=True)

@@ -487,7 +487,7 @@ def on_gluon(engine: str, option: str, runs_here: Callable[[], bool], why_not_he
 def engines_on(device: torch.device) -> dict:
     """Which kernels the FP8 block recipe runs on ``device`` with the current defaults, and why not the
     Gluon ones where not (``te-fused-moe env``)."""
-    from . import quantize, wgrad
+    from . import wgrad
 
     why_not = gluon_kernels_available()
     if why_not is None and not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9):
@@ -502,8 +502,6 @@ def engines_on(device: torch.device) -> dict:
         "plain GEMMs": "gluon, warp-specialised" if gluon else f"triton ({why_not or 'PLAIN_ENGINE'})",
         "FC1 / dGLU": ", ".join(f"{k}: {'GEMM + epilogue alone' if v else 'one kernel'}" for k, v in separate.items()),
         "wgrad": "gluon, warp-specialised" if wgrad_gluon else f"triton ({why_not or 'WGRAD_ENGINE'})",
-        "quantize pass": ("gluon (K a multiple of 128)" if why_not is None and quantize.QUANTIZE_ENGINE != "triton"
-                          else f"triton ({why_not or 'QUANTIZE_ENGINE'})"),
     }
 
 

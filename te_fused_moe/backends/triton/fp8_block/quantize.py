@@ -42,17 +42,6 @@ BLOCK = 128
 # ms with 16 warps uncapped (one CTA per SM at 97 registers) and 1.46 ms with 4 warps.
 QUANTIZE_WARPS = 8
 QUANTIZE_MAXNREG = 128  # register cap per thread (None: the compiler's choice)
-# Which kernel runs the pass: "auto" = the Gluon kernel of :mod:`.quantize_gluon` on sm_90 for 16-bit x
-# with K a multiple of 128 (the same bytes: persistent, its tiles loaded by TMA ahead of the math, ~40%
-# fewer instructions per tile), this module's Triton kernel elsewhere and under the interpreter;
-# "triton" / "gluon" force one (benchmarks compare both in one process)
-QUANTIZE_ENGINE = "auto"
-# ...and the Gluon kernel's launch: persistent programs per SM, TMA ring stages (32 KB each) and the
-# launch register cap (the producer warp's registers go to the 8 consumer warps: 104 at 80)
-QUANTIZE_GLUON_CTAS_PER_SM = 2
-QUANTIZE_GLUON_STAGES = 2
-QUANTIZE_GLUON_GROUP_M = 16  # M tiles per band of the work order (see quantize_gluon._tile)
-QUANTIZE_GLUON_MAXNREG = 80
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -205,12 +194,10 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: FP8Spec, *, rowwise: bool = True,
                   colwise: bool = False, value_for_inf: float = FLOAT32_MAX, alloc=torch.empty,
                   col_sums: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
-                  maxnreg: Optional[int] = None, engine: Optional[str] = None) -> QuantizedRows:
+                  maxnreg: Optional[int] = None) -> QuantizedRows:
     """Quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert).
-    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``.
-    ``engine``: "auto", "gluon" or "triton" (None: ``QUANTIZE_ENGINE``); ``num_warps`` / ``maxnreg``:
-    the Triton kernel's launch (``maxnreg`` also caps the Gluon kernel's registers)."""
+    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``."""
     num_rows, k = x.shape
     if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
@@ -227,48 +214,19 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         out.scale_t = alloc((m_tiles, k), device=x.device, dtype=torch.float32)
     dummy_q = x.view(torch.uint8)
     dummy_s = x
-    outputs = (
+    quantize_tiles_kernel[(m_tiles, kb)](
+        x, x.stride(0),
         _codes(out.data) if rowwise else dummy_q, out.data.stride(0) if rowwise else 0,
         out.scale if rowwise else dummy_s, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
         _codes(out.data_t) if colwise else dummy_q, out.data_t.stride(0) if colwise else 0,
         out.scale_t if colwise else dummy_s, out.scale_t.stride(0) if colwise else 0,
         col_sums if col_sums is not None else dummy_s, col_sums.stride(0) if col_sums is not None else 0,
-    )
-    flags = dict(ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs())
-    if _quantize_on_gluon(engine or QUANTIZE_ENGINE, x):
-        from . import quantize_gluon
-
-        from .wgmma_gemm import persistent_grid
-
-        grid = persistent_grid(m_tiles * kb, x.device, QUANTIZE_GLUON_CTAS_PER_SM)
-        x_desc = quantize_gluon.descriptor(x)
-        quantize_gluon.quantize_tiles_gluon_kernel[(grid,)](
-            x_desc, *outputs[:5], quantize_gluon.descriptor(_codes(out.data_t)) if colwise else x_desc, *outputs[7:],
-            schedule, k, float(value_for_inf), num_experts + 1, **flags,
-            GROUP_M=QUANTIZE_GLUON_GROUP_M, STAGES=QUANTIZE_GLUON_STAGES, num_warps=quantize_gluon.NUM_WARPS,
-            maxnreg=maxnreg or QUANTIZE_GLUON_MAXNREG)
-        return out
-    quantize_tiles_kernel[(m_tiles, kb)](
-        x, x.stride(0), *outputs, schedule, k, float(value_for_inf), num_experts + 1, **flags, BM=BLOCK, BK=BLOCK,
+        schedule, k, float(value_for_inf), num_experts + 1,
+        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
         num_warps=4 if interpreting() else (num_warps or QUANTIZE_WARPS),
         **register_cap(maxnreg or QUANTIZE_MAXNREG),
     )
     return out
-
-
-def _quantize_on_gluon(engine: str, x: torch.Tensor) -> bool:
-    """Whether the quantize pass runs the Gluon kernel: "auto" where it can, "gluon" or an error."""
-    from .gemm import on_gluon
-
-    def usable() -> bool:
-        from .quantize_gluon import usable
-
-        return usable(x)
-
-    return on_gluon(engine, "engine", usable,
-                    lambda: (f"the Gluon FP8 block quantize pass needs an sm_90 GPU, 16-bit x with K a multiple of "
-                             f"{BLOCK} and a TMA-legal layout (got {x.dtype} x {tuple(x.shape)}, strides {x.stride()}, "
-                             f"on {x.device})"))
 
 
 @dataclasses.dataclass
