@@ -386,6 +386,12 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
     launch("fc1", *x_rows, *w1_fwd, F, sched, E, spec, q=aq, h=h, h_up_offset=F, b_up_rows=F, **kw)
     kernels = {
         "quantize_x_row_col": (lambda: quantize(x), None, T * H * 4.0),
+        # each copy alone (BF16 read, one FP8 copy written): the columnwise one costs ~1.5x the rowwise
+        # one for the same bytes (run 21)
+        "quantize_x_row_only": (lambda: k.quantize_rows(x, sched, E, spec, rowwise=True, colwise=False, **quantize_kw),
+                                None, T * H * 3.0),
+        "quantize_x_col_only": (lambda: k.quantize_rows(x, sched, E, spec, rowwise=False, colwise=True, **quantize_kw),
+                                None, T * H * 3.0),
         "quantize_weights": (lambda: (k.quantize_weight(w1, spec), k.quantize_weight(w2, spec)), None,
                              (w1.numel() + w2.numel()) * 4.0),
         "fc1_glu_quant": (lambda: launch("fc1", *x_rows, *w1_fwd, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
