@@ -10,9 +10,10 @@ CPU too. The bit path costs ~25 integer ops per element: it made the quantize pa
 (~630 GB/s on the H200), which is why the GPU takes the cvt. The GPU tests check the cvt against
 the reference encoder bit for bit (edge values and random FP32 bit patterns, NaNs of both signs).
 
-These kernels are bound by instructions more than by bytes (run 18 ncu of the quantize pass: 0.48
-issues per cycle per scheduler, math-pipe throttled), so the per-value cost of each step matters:
+These kernels were bound by instructions more than by bytes (run 18 ncu of the quantize pass: 0.48
+issues per cycle per scheduler, math-pipe throttled), so the per-value cost of each step mattered:
 the power-of-two block scale comes from exponent bits (:func:`_pow2_block_scale`), not divisions.
+After run 18 they are not (run 21: 41% fewer instructions in a Gluon pass changed nothing).
 """
 
 import os
