@@ -64,7 +64,8 @@ def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int, maxnreg=None
 
 def analyze(k) -> dict:
     """A compiled kernel's stack (spill) bytes, its SASS instruction count, its IEEE division slow-path
-    checks (``fchk``) and FP32 -> FP8x2 conversions (``f2fp``), its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma
+    checks (``fchk``) and FP32 -> FP8x2 conversions (``f2fp``), its proxy fences (``fence_async``), its FP8
+    (``qgmma``) and 16-bit (``hgmma``) wgmma
     counts, how many FP8 wgmmas share a commit group with the next one (``qgmma_grouped``: 0 when
     ptxas serialised them) and the waits that leave one group in flight (``wait_le1``), its dynamic
     shared memory bytes and, when it has wgmma, whether its K loop was found and the spill
@@ -83,6 +84,9 @@ def analyze(k) -> dict:
            "instructions": sum(bool(re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?[A-Z]", l)) for l in sass),
            "fchk": sum("FCHK" in l for l in sass), "f2fp": sum("F2FP" in l for l in sass),
            "wait_le1": sum("WARPGROUP.DEPBAR.LE gsb0, 0x1" in l for l in sass),
+           # generic -> async proxy fences (fence.proxy.async): mbarrier init, before TMA writes into shared
+           # memory that threads read with ordinary loads, before TMA stores of what threads wrote
+           "fence_async": sum("FENCE.VIEW.ASYNC.S" in l for l in sass),
            # register reallocation between warp-specialised partitions: the largest setmaxnreg asked for
            "setmaxnreg_max": max([int(m.group(1), 16) for l in sass
                                   for m in [re.search(r"SETMAXREG\.\w+(?:\.\w+)*\s+(?:U?P\w+,\s*)?0x([0-9a-f]+)", l)]

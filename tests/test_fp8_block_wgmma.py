@@ -10,7 +10,8 @@ of the output, BF16 or FP32 out; the wgrad at 64x128 on one warpgroup at two CTA
 consumer partition; the wgmmas of a block share one commit group (when a non-wgmma instruction touches
 an in-flight accumulator, ptxas serialises every wgmma and gives each its own group: C7514); waits
 that leave one group in flight (the promotion under the next wgmma); shared memory within the H200's
-227 KB; the consumers' ``setmaxnreg``: the producer warp's registers must reach them.
+227 KB; the consumers' ``setmaxnreg``: the producer warp's registers must reach them; the wgrad
+producer's proxy fence before each TMA refill (its consumers read the column scales with ordinary loads).
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
         assert r["setmaxnreg_max"] == _most_registers_asked(name, copies), (name, r)
     # two CTAs of the 64x128 wgrad share an SM's 227 KB
     assert 2 * report["wgrad_64x128"]["shared"] <= 227 * 1024, report["wgrad_64x128"]
+    # the wgrad's producer fences the async proxy before each TMA refill of a stage whose column scales
+    # the consumers read with ordinary loads (the mbarrier init has one too; a plain GEMM without TMA
+    # stores has only that one): without it a refill can overwrite them early, a race only seen once
+    # the ring wraps at full size (run 21, in a Gluon quantize pass)
+    assert report["fc2_no_tma_1"]["fence_async"] == 1, report["fc2_no_tma_1"]
+    for name in ("wgrad_1", "wgrad_2"):
+        assert report[name]["fence_async"] == 2, (name, report[name])
 
 
 def _operands(device="cpu"):
