@@ -237,33 +237,33 @@ def _retire(ring, token, outstanding: gl.constexpr, j, NUM_STAGES: gl.constexpr,
 
 def descriptor(t: torch.Tensor, block_rows: int):
     """Gluon TMA descriptor of a 2-D FP8 ``t`` (unit inner stride) in [block_rows, 128] boxes."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, BLOCK], _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, BLOCK], layout)
+    return _tma_descriptor(t, [block_rows, BLOCK])
 
 
 def scale_descriptor(scale_t: torch.Tensor, block: int):
     """Gluon TMA descriptor of FP32 per-token-block scales ``scale_t`` [tiles, columns] in [1, block]
     boxes (unswizzled: one row of 4 * block bytes)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(scale_t, list(scale_t.shape), [scale_t.stride(0), 1], [1, block], layout)
+    return _tma_descriptor(scale_t, [1, block], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 def store_descriptor(t: torch.Tensor, block_rows: int, block_cols: int, dtypes=None):
     """A TMA descriptor of a 2-D ``t`` in [block_rows, block_cols] boxes that a kernel stores through,
     or None where TMA cannot store it: not of ``dtypes`` (default: 16- and 32-bit floats), not unit
     inner stride, or base or rows not 16-byte aligned."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     dtypes = _GL_STORED if dtypes is None else dtypes
     if (t.dtype not in dtypes or t.dim() != 2 or t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16
             or t.data_ptr() % 16):
         return None
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, block_cols], dtypes[t.dtype])
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [block_rows, block_cols], layout)
+    return _tma_descriptor(t, [block_rows, block_cols])
+
+
+def _tma_descriptor(t: torch.Tensor, box, layout=None):
+    """Gluon TMA descriptor of a 2-D ``t`` (unit inner stride) in ``box``-shaped boxes, in shared memory
+    as ``layout`` (default: the swizzled layout the wgmma / TMA store read for ``t``'s dtype)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = layout or gl.NVMMASharedLayout.get_default_for(box, _GL_ALL[t.dtype])
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], box, layout)
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor):
@@ -274,6 +274,7 @@ def descriptors(a: torch.Tensor, b: torch.Tensor):
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 GL_16BIT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _GL_STORED = {**GL_16BIT, torch.float32: gl.float32}
+_GL_ALL = {**_GL_DTYPES, **_GL_STORED}
 
 
 def usable(a: torch.Tensor, b: torch.Tensor) -> bool:
