@@ -230,6 +230,12 @@ def _module_flags(module_name: str, flags: Dict):
             setattr(module, name, value)
 
 
+def _call_under(module_name: str, flags: Dict, fn):
+    """``fn()`` with ``flags`` set on the module (see :func:`_module_flags`)."""
+    with _module_flags(module_name, flags):
+        return fn()
+
+
 def _fused_under(recipe: str, **module_flags: Dict):
     """The fused path with flags of modules ``backends.triton.<recipe>.<module>`` (``module=dict(...)``)
     set while it is timed, forward and backward (``bench_impl`` enters ``run.context``)."""
@@ -252,8 +258,11 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
 # with the Triton wgrad (the default before run 19), or with the Gluon wgrad's consumers in one
 # partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
-# before run 20) or in two consumer partitions
-VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
+# before run 20) or in two consumer partitions, or with the separate FC1 / dGLU epilogues reading the
+# FP32 accumulator instead of h and da in BF16 (the default before run 22)
+FP32_EPILOGUE_INPUT = dict(EPILOGUE_INPUT_DTYPE=torch.float32)
+VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("fp8_block", gemm=FP32_EPILOGUE_INPUT),
+                          "fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
                           "fp8_block_fused_one_kernel_epilogues": _fused_under(
                               "fp8_block", gemm=dict(FC1_EPILOGUE="fused", DACT_EPILOGUE="fused")),
                           "fp8_block_fused_triton_wgrad": _fused_under("fp8_block", wgrad=dict(WGRAD_ENGINE="triton")),
@@ -263,7 +272,8 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_triton_kernels": _fused_under("fp8_bl
                                                                               gemm=dict(PLAIN_CONSUMERS=2)),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
                                                                               wgrad=dict(WGRAD_CONSUMERS=1))},
-            "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False))},
+            "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),
+                      "mxfp8_fused_fp32_dglu_input": _fused_under("mxfp8", gemm=FP32_EPILOGUE_INPUT)},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():
@@ -416,6 +426,14 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
         "wgrad_w1": (lambda: k.grouped_wgrad(dh_cols, x_cols, sched, dw1, config=wgrad_config),
                      2.0 * routed * n1 * H, None),
     })
+    if hasattr(k.gemm, "EPILOGUE_INPUT_DTYPE"):
+        # the separate epilogues on the FP32 accumulator (the default before run 22), same process
+        fp32_input = lambda fn: lambda: _call_under(f".backends.triton.{recipe}.gemm", FP32_EPILOGUE_INPUT, fn)
+        if recipe == "fp8_block":  # MXFP8's FC1 is one kernel
+            kernels["fc1_glu_quant_fp32_input"] = ((fp32_input(kernels["fc1_glu_quant"][0]),)
+                                                   + kernels["fc1_glu_quant"][1:])
+        kernels["fc2_dgrad_dglu_quant_fp32_input"] = ((fp32_input(kernels["fc2_dgrad_dglu_quant"][0]),)
+                                                      + kernels["fc2_dgrad_dglu_quant"][1:])
     # the same GEMMs without their epilogues (plain mode, BF16 out): what the mainloops alone cost
     h_plain, da_plain = torch.empty(T, n1, device=x.device, dtype=x.dtype), torch.empty(T, F, device=x.device,
                                                                                         dtype=x.dtype)

@@ -64,7 +64,7 @@ MLP_CASES = [
 ]
 
 # run again with FC1 and the dGLU as the plain GEMM + the epilogue alone (gated and not, bias, padding)
-SEPARATE_EPILOGUE_CASES = ("swiglu-empty-pad", "srelu-one", "swiglu-hybrid-e5m2-grads")
+SEPARATE_EPILOGUE_CASES = ("swiglu-empty-pad", "srelu-one", "swiglu-hbf16", "swiglu-hybrid-e5m2-grads")
 
 
 # --- 1. codec -----------------------------------------------------------------------------------
@@ -279,11 +279,15 @@ def check_weight_cache(device: str) -> dict:
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
 def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, use_tma: bool = True,
-                        split_epilogue: Optional[bool] = None, epilogue: str = "auto") -> dict:
+                        split_epilogue: Optional[bool] = None, epilogue: str = "auto",
+                        h_dtype: torch.dtype = torch.float32) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives a power-of-2 scale with
     3*scale representable), GEMM sums are small integers (exact in any order, also in the FP8 wgmma's
     reduced-precision accumulator), so every kernel output has one right answer. ``srelu`` keeps the
-    epilogue math to multiplies that PyTorch reproduces bit for bit."""
+    epilogue math to multiplies that PyTorch reproduces bit for bit. ``h_dtype`` BF16 (separate
+    epilogues only): h is the exact sum rounded to BF16, ``a`` is act of that h and ``dh`` comes
+    from ``da`` rounded to BF16 (the epilogues read their GEMMs' outputs in h's dtype)."""
+    assert h_dtype == torch.float32 or epilogue == "separate", "the fused kernels act on the FP32 h"
     from moe_reference import make_counts
 
     from te_fused_moe.activations import ActivationConfig
@@ -308,7 +312,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     alloc = lambda *a, **k: _poisoned(torch.empty(*a, **k))
     xq = Q.quantize_rows(d(x), sched, E, spec, rowwise=True, colwise=True, alloc=alloc)
     w1q, w2q = Q.quantize_weight(d(w1), spec), Q.quantize_weight(d(w2), spec)
-    h = _poisoned(torch.empty(T, n1, device=device))
+    h = _poisoned(torch.empty(T, n1, device=device, dtype=h_dtype))
     aq = Q.QuantizedRows(alloc((T, F), device=device, dtype=spec.torch_dtype), Q.new_row_scales(T, F, h, alloc),
                          Q.new_transposed(F, T, E, h, spec.torch_dtype, alloc), alloc((tiles, F), device=device, dtype=torch.float32))
     p = d(probs, torch.float32)
@@ -347,13 +351,16 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
         rs, re_ = int(tab[2, e]), int(tab[3, e])
         h_ref[rs:re_] = (x[rs:re_].double() @ w1[e].double().T).float()
         da_ref[rs:re_] = (dy[rs:re_].double() @ w2[e].double()).float()
-    hc = h.cpu()
-    bad["h"] = int((hc != h_ref).sum())
+    hc = h.cpu().float()
+    bad["h"] = int((hc != h_ref.to(h_dtype).float()).sum())
+    bad["h_rounded"] = int((h_ref != h_ref.to(h_dtype).float()).sum())
     assert activation == "srelu", "the exact epilogue checks are written for srelu"
     r = torch.relu(hc)
     a32 = (r * r) * probs[:, None]
     routed = int(tab[3, E - 1])
     a32[routed:] = 0
+    bad["da_rounded"] = int((da_ref != da_ref.to(h_dtype).float()).sum())  # values the rounding moved
+    da_ref = da_ref.to(h_dtype).float()  # as the dGLU's epilogue reads it
     dg32 = (da_ref * probs[:, None]) * 2.0 * r
     dg32[routed:] = 0
     ra = ref.quantize(a32, (1, 128), axis=1)
@@ -478,6 +485,7 @@ def _worker() -> None:
         "exact_unsplit": check_kernels_exact("cpu", seed=2, split_epilogue=False),
         "exact_separate_epilogues": check_kernels_exact("cpu", seed=3, epilogue="separate"),
         "exact_separate_split": check_kernels_exact("cpu", seed=4, split_epilogue=True, epilogue="separate"),
+        "exact_separate_bf16_h": check_kernels_exact("cpu", seed=5, epilogue="separate", h_dtype=torch.bfloat16),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -515,7 +523,7 @@ def test_weight_cache_refreshes_once_per_step(results):
 
 
 @pytest.mark.parametrize("key", ["exact", "exact_ptr", "exact_unsplit", "exact_separate_epilogues",
-                                 "exact_separate_split"])
+                                 "exact_separate_split", "exact_separate_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered
@@ -523,6 +531,8 @@ def test_every_kernel_bit_exact_on_integer_data(results, key):
         assert 0 in bad["counts"], bad  # and experts without tokens
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)
+    if key.endswith("bf16_h"):  # the BF16 rounding of h and da moved values, so the check tells them apart
+        assert bad["h_rounded"] > 0 and bad["da_rounded"] > 0, bad
 
 
 def test_dispatch_refuses_shapes_and_auto_falls_back(results):
@@ -545,7 +555,8 @@ def test_mlp_matches_reference_emulation(results, case):
 @pytest.mark.parametrize("case", [c for c in MLP_CASES if c[0] in SEPARATE_EPILOGUE_CASES],
                          ids=[c for c in SEPARATE_EPILOGUE_CASES])
 def test_mlp_with_separate_epilogues_matches_reference_emulation(results, case):
-    """FC1 and the dGLU as the plain GEMM into FP32 + the epilogue alone (the default on sm_90)."""
+    """FC1 and the dGLU as the plain GEMM + the epilogue alone (the default on sm_90), reading h and da in
+    h's dtype (BF16 in the cases without ``h_fp32``)."""
     check_mlp_case(results["mlp_separate"][case[0]], case)
 
 
@@ -586,7 +597,7 @@ def test_supports_names_the_recipe_subset():
 
 def sm90_build_report() -> dict:
     """Offline sm_90a builds (tests/sm90_build.py) of the quantize pass and the FC1 / dGLU epilogues alone
-    as the fused path launches them (power-of-two scales, E4M3; swiglu)."""
+    as the fused path launches them (power-of-two scales, E4M3; swiglu; reading h and da in BF16)."""
     from sm90_build import build_sm90
 
     from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q
@@ -597,14 +608,14 @@ def sm90_build_report() -> dict:
          "sched_ptr": "*i32", "value_for_inf": "fp32"},
         dict(ROWWISE=True, COLWISE=True, COLSUM=False, **Q.FP8Spec.of("e4m3", True).constexprs(), BM=128, BK=128),
         num_warps=Q.QUANTIZE_WARPS)}
-    types = {"a_src": "*fp8e4nv", "b_src": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*fp32",
+    types = {"a_src": "*fp8e4nv", "b_src": "*fp8e4nv", "as_ptr": "*fp32", "bs_ptr": "*fp32", "c_ptr": "*bf16",
              "q_ptr": "*u8", "qs_ptr": "*fp32", "qt_ptr": "*u8", "qts_ptr": "*fp32", "h_ptr": "*bf16", "bias_ptr": "*bf16",
              "probs_ptr": "*fp32", "dprob_ptr": "*fp32", "dbias_ptr": "*fp32", "sched_ptr": "*i32", "alpha": "fp32",
              "limit": "fp32", "value_for_inf": "fp32"}
     for name, mode in (("fc1_alone", 1), ("dglu_alone", 2)):
         consts = dict(MODE=mode, ACT=0, GATED=True, HAS_BIAS=False, HAS_PROBS=True, WRITE_DPROB=mode == 2,
                       WRITE_DBIAS=False, ROWWISE=True, COLWISE=True, USE_TMA=False, UPCAST=False, ACC_IN=True,
-                      SPLIT_EPILOGUE=False, **Q.FP8Spec.of("e4m3", True).constexprs(), BM=128, BN=128, BK=128,
+                      ACC_IS_H=mode == 1, SPLIT_EPILOGUE=False, **Q.FP8Spec.of("e4m3", True).constexprs(), BM=128, BN=128, BK=128,
                       GROUP_M=8)
         report[name] = build_sm90(gemm.fp8_grouped_gemm_kernel, types, consts, num_warps=gemm.EPILOGUE_ALONE_WARPS,
                                   num_stages=1)

@@ -275,14 +275,17 @@ def check_weight_cache(device: str) -> dict:
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
-                        T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False) -> dict:
+                        T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False,
+                        h_dtype: torch.dtype = torch.float32) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
     multiplies that PyTorch reproduces bit for bit. ``fmt`` is the format of a, dy and dh;
     ``epilogue``, ``plain``, ``wgrad``: overrides of the FC1 / dGLU, FC2 / dgrad and wgrad configs
     (e.g. ``block_n=128, split_epilogue=False``); ``values``: every GEMM reads its operands as the BF16
-    values an expansion pass writes before it (``autograd.read_expanded``), as the fused path does."""
+    values an expansion pass writes before it (``autograd.read_expanded``), as the fused path does.
+    ``h_dtype`` BF16: h is saved rounded (FC1, one kernel, acts on the FP32 sums); the dGLU reads
+    that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too."""
     import dataclasses
 
     from moe_reference import make_counts
@@ -309,7 +312,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     tiles = max_m_tiles(T, E, 128)
     xq = Q.quantize_rows(d(x), sched, E, wspec, rowwise=True, colwise=True, alloc=_poison_alloc)
     w1q, w2q = Q.quantize_weight(d(w1), wspec), Q.quantize_weight(d(w2), wspec)
-    h = _poisoned(torch.empty(T, n1, device=device))
+    h = _poisoned(torch.empty(T, n1, device=device, dtype=h_dtype))
     aq = new_rows(T, F, h, spec, E, True, True, alloc=_poison_alloc)
     p = d(probs, torch.float32)
     read = read_expanded if values else as_quantized
@@ -347,12 +350,16 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
         rs, re_ = int(tab[2, e]), int(tab[3, e])
         h_ref[rs:re_] = (x[rs:re_].double() @ w1[e].double().T).float()
         da_ref[rs:re_] = (dy[rs:re_].double() @ w2[e].double()).float()
-    hc = h.cpu()
+    hc = h.cpu().float()
     routed = int(tab[3, E - 1])
-    bad["h"] = int((hc[:routed] != h_ref[:routed]).sum())
-    r = torch.relu(hc)
-    a32 = (r * r) * probs[:, None]
+    bad["h"] = int((hc[:routed] != h_ref[:routed].to(h_dtype).float()).sum())
+    bad["h_rounded"] = int((h_ref != h_ref.to(h_dtype).float()).sum())
+    a32 = torch.relu(h_ref) ** 2 * probs[:, None]
     a32[routed:] = 0
+    r = torch.relu(hc)  # the dGLU reads the saved h
+    if (epilogue or {}).get("epilogue") == "separate":
+        bad["da_rounded"] = int((da_ref != da_ref.to(h_dtype).float()).sum())  # values the rounding moved
+        da_ref = da_ref.to(h_dtype).float()  # ...and its epilogue alone da in h's dtype
     dg32 = (da_ref * probs[:, None]) * 2.0 * r
     dg32[routed:] = 0
     qz = lambda t, axis: ref.quantize(t, axis=axis, fp8_format=fmt)
@@ -570,6 +577,8 @@ def _worker() -> None:
         "exact_values_separate_dglu": check_kernels_exact("cpu", seed=7, values=True,
                                                           epilogue=dict(epilogue="separate")),
         "exact_separate_dglu": check_kernels_exact("cpu", seed=8, T=200, H=128, epilogue=dict(epilogue="separate")),
+        "exact_separate_dglu_bf16_h": check_kernels_exact("cpu", seed=9, H=512, h_dtype=torch.bfloat16,
+                                                          epilogue=dict(epilogue="separate")),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -627,7 +636,7 @@ def test_weight_cache_refreshes_once_per_step(results):
 
 @pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand",
                                  "exact_values", "exact_values_ptr_e5m2", "exact_values_separate_dglu",
-                                 "exact_separate_dglu"])
+                                 "exact_separate_dglu", "exact_separate_dglu_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered
@@ -635,6 +644,8 @@ def test_every_kernel_bit_exact_on_integer_data(results, key):
         assert 0 in bad["counts"], bad  # and experts without tokens
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)
+    if key.endswith("bf16_h"):  # the BF16 rounding of h and da moved values, so the check tells them apart
+        assert bad["h_rounded"] > 0 and bad["da_rounded"] > 0, bad
 
 
 def test_dispatch_refuses_shapes_and_auto_falls_back(results):

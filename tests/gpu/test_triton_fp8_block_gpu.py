@@ -21,6 +21,7 @@ measured errors). The checks are those of tests/test_triton_fp8_block_interprete
 import json
 
 import pytest
+import torch
 
 from block_scaled_checks import assert_within, no_host_syncs
 from moe_reference import graph_replay_errors
@@ -62,6 +63,16 @@ def test_every_kernel_exact_on_integer_data_gpu(tma, seed, split, epilogue):
     print("FP8_EXACT", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)
+
+
+def test_separate_epilogues_read_bf16_h_and_da_exactly_gpu():
+    """The default on sm_90 with h saved in BF16: FC1's Gluon GEMM writes h itself, the epilogue alone
+    acts on it; the dGLU's GEMM writes da in BF16. Exact against those rounded values."""
+    bad = checks.check_kernels_exact("cuda", seed=5, epilogue="separate", h_dtype=torch.bfloat16)
+    print("FP8_EXACT_BF16_H", json.dumps(bad))
+    for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
+        assert bad[name] == 0, (name, bad)
+    assert bad["h_rounded"] > 0 and bad["da_rounded"] > 0, bad
 
 
 # (id, T, H, F, E, activation, bias, probs, routing, padding, h_fp32, f32_scales, tma, frozen)

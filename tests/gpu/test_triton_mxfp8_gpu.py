@@ -23,6 +23,7 @@ measured errors). The checks are those of tests/test_triton_mxfp8_interpreter.py
 import json
 
 import pytest
+import torch
 
 from block_scaled_checks import assert_no_host_syncs_after_warmup, assert_within, no_host_syncs
 from moe_reference import graph_replay_errors
@@ -52,6 +53,15 @@ def test_weight_cache_on_gpu():
     assert c["same_object"] and c["misses_before"] == 1 and c["refreshed"] and c["misses_after"] == 2, c
     assert c["fresh_bad"] == 0 and c["nbytes"] == c["expected_nbytes"], c
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
+
+
+def test_separate_dglu_reads_bf16_da_exactly_gpu():
+    """The dGLU's GEMM writes da in h's dtype (BF16 here) for the epilogue alone; exact against it."""
+    bad = checks.check_kernels_exact("cuda", seed=9, H=512, h_dtype=torch.bfloat16, epilogue=dict(epilogue="separate"))
+    print("MXFP8_EXACT_BF16_H", json.dumps(bad))
+    for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
+        assert bad[name] == 0, (name, bad)
+    assert bad["h_rounded"] > 0 and bad["da_rounded"] > 0, bad
 
 
 @pytest.mark.parametrize("tma,seed,fmt,epilogue", [(True, 0, "e4m3", None), (True, 1, "e4m3", None),

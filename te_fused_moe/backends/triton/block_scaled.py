@@ -14,11 +14,15 @@ Backward (up to 6 kernels):
 Every GEMM operand is quantized along that GEMM's reduction axis as the reference backend emulates
 it (``te_fused_moe/backends/reference/gemm.py``): fprop x and w along K, dgrad grad and w along N,
 wgrad grad and x along the tokens (blocks restarting at each expert's first row). ``a`` and ``dh``
-are quantized from their FP32 values. Differences from the reference: the order of FP32 sums (and
+are quantized from FP32 values. Differences from the reference: the order of FP32 sums (and
 the FP8 wgmma's own accumulation inside one scale block on the GPU), which can move a value that
 sits next to an FP8 rounding boundary (or an amax next to a power of two) by one FP8 step; and
 ``h`` is saved in ``H_DTYPE`` (default: x's dtype, as TE saves the GLU input; the reference keeps
-it in FP32), so ``dh`` sees ``h`` rounded to BF16. ``Format.HYBRID`` quantizes the gradients (dy,
+it in FP32), so ``dh`` sees ``h`` rounded to BF16. Where FC1 and the dGLU run as a GEMM + the
+epilogue alone (the default on sm_90), the epilogue reads the GEMM's output in ``h``'s dtype as TE's
+activation kernels read its GEMMs' BF16 outputs: ``a = act(h)`` of the saved ``h`` and ``dh`` from
+``da`` rounded likewise (the recipes' ``gemm.EPILOGUE_INPUT_DTYPE``; with ``H_DTYPE = float32`` all
+of it stays FP32, as the reference has it). ``Format.HYBRID`` quantizes the gradients (dy,
 dh) to E5M2: the dgrad and wgrad GEMMs then multiply E5M2 by E4M3 (a mixed FP8 wgmma).
 
 Every GEMM operand goes through the recipe's operand reader first: FP8 block reads its FP8 data

@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, to_output
-from ..block_scaled_launch import (GEMM_MODES, MODE_PLAIN, kernel_operands, operand_sources, quantized_copies,
-                                   separate_epilogue, tma_allowed)
+from ..block_scaled_launch import (GEMM_MODES, MODE_FC1, MODE_PLAIN, kernel_operands, operand_sources,
+                                   quantized_copies, separate_epilogue, tma_allowed)
 from ..grouped_gemm import interpreting, register_cap
 from ..operand_tiles import k_block, operand_tiles
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
@@ -60,9 +60,9 @@ USE_TMA_DEFAULT = True
 # 1.06)
 PLAIN_ENGINE = "auto"
 # How the FC1 and dGLU kernels run: "fused" = one kernel (K loop, then the activation + quantize
-# epilogue); "separate" = the plain GEMM writes the accumulator in FP32 ([T, N], transient), then the
-# same kernel with ``ACC_IN`` runs the epilogue alone on it: the same FP32 values through the same
-# code, so the same bytes out. "auto" separates where the plain GEMM runs on the Gluon kernel. Why:
+# epilogue); "separate" = the plain GEMM writes its output (see EPILOGUE_INPUT_DTYPE), then the same
+# kernel with ``ACC_IN`` runs the epilogue alone on it. "auto" separates where the plain GEMM runs on
+# the Gluon kernel. Why:
 # at DSv3 on the H200 the dGLU GEMM alone takes ~1.05 ms and the fused dGLU kernel 2.86 ms (run 16b:
 # its 255-register, one-CTA-per-SM epilogue stalls on instruction fetch and latency with nothing to
 # overlap it); FC1 2.0-2.1 ms alone vs 2.85 fused.
@@ -79,6 +79,14 @@ PLAIN_TMA_STORE = True
 PLAIN_CONSUMERS = 1
 FC1_EPILOGUE = "auto"
 DACT_EPILOGUE = "auto"
+# What the separate epilogues read. None: their GEMM's output in h's dtype (x's unless
+# block_scaled.H_DTYPE says otherwise), as TE's GEMMs write BF16 for its activation kernels: FC1's
+# GEMM writes h itself (b1 added in FP32 first) and the epilogue computes act(h) from it, writing no
+# second copy; the dGLU's GEMM writes da in h's dtype. torch.float32: the FP32 accumulator, a
+# transient [T, N] copy, through the same code as the fused kernel, so the same bytes as it (and, with
+# H_DTYPE = float32, exactly what the reference emulates). At DSv3 the FP32 way moves 537 MB more
+# through FC1 ([T, 2F] written and read as FP32, h written again) and 134 MB more through the dGLU.
+EPILOGUE_INPUT_DTYPE: Optional[torch.dtype] = None
 # The epilogue alone runs at 16 warps (128 registers): dGLU 1.98 -> 1.75 ms at DSv3 vs 8 warps, FC1
 # unchanged (run 16c); 1.75 + the GEMM vs 2.86 ms for the fused dGLU kernel.
 EPILOGUE_ALONE_WARPS = 16
@@ -217,7 +225,7 @@ def fp8_grouped_gemm_kernel(
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, WRITE_DBIAS: tl.constexpr,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr, ACC_IN: tl.constexpr,
-    SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+    ACC_IS_H: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # --- which tile: GROUP_M swizzle for L2 reuse of B, then (group, row block) on the device
@@ -248,11 +256,12 @@ def fp8_grouped_gemm_kernel(
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     if ACC_IN:
-        # the epilogue alone, on the accumulator another kernel wrote (FP32 [T, B's rows] in c)
+        # the epilogue alone, on the output another kernel wrote ([T, B's rows] in c; with ACC_IS_H, c
+        # is h itself, bias included)
         acc_ptrs = row_block(c_ptr, a_row.to(tl.int64), stride_cm, pid_n * BN, BM) + tl.arange(0, BN)[None, :]
-        acc = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0)
+        acc = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         if GATED and MODE == 1:
-            acc_up = tl.load(acc_ptrs + b_up_rows, mask=row_ok[:, None], other=0.0)
+            acc_up = tl.load(acc_ptrs + b_up_rows, mask=row_ok[:, None], other=0.0).to(tl.float32)
     else:
         k_tiles = tl.where(is_padding, 0, K // BK)
         for kt in range(0, k_tiles):
@@ -303,9 +312,11 @@ def fp8_grouped_gemm_kernel(
             if GATED:
                 bias_up = tl.load(bias_ptr + expert * stride_bias_e + bias_up_offset + cols, mask=bias_mask, other=0.0)
                 acc_up += bias_up.to(tl.float32)[None, :]
-        tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+        if not ACC_IS_H:
+            tl.store(h_ptrs, to_output(acc, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
+            if GATED:
+                tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
         if GATED:
-            tl.store(h_ptrs + h_up_offset, to_output(acc_up, h_ptr.dtype.element_ty, UPCAST), mask=out_mask)
             value = act_forward(acc, acc_up, alpha, limit, ACT)
         else:
             value = act_forward(acc, acc, alpha, limit, ACT)
@@ -411,11 +422,15 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
                             consumers=PLAIN_CONSUMERS if cfg.consumers is None else cfg.consumers,
                             tma_store=PLAIN_TMA_STORE if cfg.tma_store is None else cfg.tma_store)
     acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
+    acc_is_h = False
     if acc_in:
-        # the GEMM alone (all of B's rows: FC1's gate and up halves) into FP32 with the fastest plain
-        # kernel, then this kernel's epilogue on it
-        c = torch.empty((num_rows, b.shape[1]), device=a.device, dtype=torch.float32)
-        launch("fc2", a, a_scale, b, b_scale, b.shape[1], schedule, num_experts, spec, c=c)
+        # the GEMM alone (all of B's rows: FC1's gate and up halves) with the fastest plain kernel,
+        # then this kernel's epilogue on its output
+        c, acc_is_h = _separate_gemm_output(mode, num_rows, b, h, h_up_offset, b_up_rows, bias, bias_up_offset)
+        launch("fc2", a, a_scale, b, b_scale, b.shape[1], schedule, num_experts, spec, c=c,
+               bias=bias if acc_is_h else None)
+        if acc_is_h:
+            bias = None  # added by the GEMM
     m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     rowwise, colwise = quantized_copies(q)
@@ -429,10 +444,23 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, USE_TMA=use_tma, UPCAST=interpreting(),
-        ACC_IN=acc_in, SPLIT_EPILOGUE=mode != MODE_PLAIN and _split(cfg, acc_in),
+        ACC_IN=acc_in, ACC_IS_H=acc_is_h, SPLIT_EPILOGUE=mode != MODE_PLAIN and _split(cfg, acc_in),
         **spec.constexprs(), BM=BLOCK, BN=cfg.block_n, BK=BLOCK, GROUP_M=cfg.group_m,
         **_launch_shape(cfg, acc_in),
     )
+
+
+def _separate_gemm_output(mode: int, num_rows: int, b: torch.Tensor, h: torch.Tensor, h_up_offset: int,
+                          b_up_rows: int, bias, bias_up_offset: int):
+    """``(c, c_is_h)``: where a separate epilogue's GEMM writes (see ``EPILOGUE_INPUT_DTYPE``). FC1's
+    GEMM writes ``h`` itself where ``h`` holds B's rows as its columns (the up half at B's up rows,
+    and b1's likewise); otherwise a transient [T, B's rows] buffer."""
+    dtype = EPILOGUE_INPUT_DTYPE or h.dtype
+    whole_h = (h.shape[1] == b.shape[1] and h.stride(1) == 1 and h_up_offset == b_up_rows
+               and (bias is None or (bias.shape[1] == b.shape[1] and bias_up_offset == b_up_rows)))
+    if mode == MODE_FC1 and dtype == h.dtype and whole_h:
+        return h, True
+    return torch.empty((num_rows, b.shape[1]), device=b.device, dtype=dtype), False
 
 
 def _split(cfg: FP8GemmConfig, acc_in: bool) -> bool:

@@ -61,14 +61,17 @@ EXPAND_BLOCK_K = 128  # K step of the expand_bf16 loop: four scale blocks
 EXPAND_BF16_DEFAULT = True
 # Tests flip this to cover the pointer-load path under the interpreter as well.
 USE_TMA_DEFAULT = True
-# How the dGLU runs: "fused" = one kernel; "separate" = this module's plain GEMM writes da in FP32
-# ([T, F], transient), then the same kernel with ``ACC_IN`` runs the dGLU + quantize epilogue alone
-# (same FP32 values through the same code, so the same bytes); "auto" (the default) = separate on
-# CUDA. At DSv3 on the H200 the fused dGLU takes 2.84 ms against 1.63 ms for its GEMM alone; separate,
+# How the dGLU runs: "fused" = one kernel; "separate" = this module's plain GEMM writes da ([T, F],
+# transient, in EPILOGUE_INPUT_DTYPE), then the same kernel with ``ACC_IN`` runs the dGLU + quantize
+# epilogue alone; "auto" (the default) = separate on CUDA. At DSv3 on the H200 the fused dGLU takes 2.84 ms against 1.63 ms for its GEMM alone; separate,
 # 2.38-2.42 ms (runs 17d-e), and the MXFP8 MLP 20.99 ms vs 21.26 fused (1.14x its unfused path vs
 # 1.11x). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM alone leaves nothing for a separate
 # epilogue to win.
 DACT_EPILOGUE = "auto"
+# The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
+# says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
+# accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
+EPILOGUE_INPUT_DTYPE: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)
@@ -251,11 +254,11 @@ def mx_grouped_gemm_kernel(
     if GATED and MODE == 1:
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     if ACC_IN:
-        # the epilogue alone, on the accumulator another kernel wrote (FP32 [T, B's rows] in c)
+        # the epilogue alone, on the output another kernel wrote ([T, B's rows] in c)
         acc_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + (pid_n * BN + tl.arange(0, BN))[None, :]
-        acc = tl.load(acc_ptrs, mask=(rows < row_end)[:, None], other=0.0)
+        acc = tl.load(acc_ptrs, mask=(rows < row_end)[:, None], other=0.0).to(tl.float32)
         if GATED and MODE == 1:
-            acc_up = tl.load(acc_ptrs + b_up_rows, mask=(rows < row_end)[:, None], other=0.0)
+            acc_up = tl.load(acc_ptrs + b_up_rows, mask=(rows < row_end)[:, None], other=0.0).to(tl.float32)
     else:
         k_tiles = tl.where(is_padding, 0, K // BK)
         if EXPAND:
@@ -389,8 +392,8 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         raise ValueError(f"config: expand_bf16 needs K={k} to be a multiple of {EXPAND_BLOCK_K}")
     acc_in = mode == MODE_DACT and _separate_dact(cfg, a)
     if acc_in:
-        # the dGLU GEMM alone into FP32 (this module's plain kernel), then this kernel's epilogue on it
-        c = torch.empty((num_rows, b.shape[1]), device=a.device, dtype=torch.float32)
+        # the dGLU GEMM alone (this module's plain kernel), then this kernel's epilogue on its output
+        c = torch.empty((num_rows, b.shape[1]), device=a.device, dtype=EPILOGUE_INPUT_DTYPE or h.dtype)
         launch("fc2", a, a_scale, b, b_scale, b.shape[1], schedule, num_experts, spec, c=c)
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)

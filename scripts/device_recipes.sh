@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# What the device machine runs for the block-scaled recipes (runs 22 on): their GPU tests, then the
+# recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
+# $OUT; each step's exit code and seconds in $OUT/times.txt.
+#   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [wgmma_tests] [fp8_bench] [mxfp8_bench]
+set -u
+OUT=${OUT:-/tmp/device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+STEPS=${*:-fp8_tests mxfp8_tests fp8_bench mxfp8_bench}
+python -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" \
+  > "$OUT/env.txt" 2>&1
+step() {  # name, timeout, command...
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - start)) s" | tee -a "$OUT/times.txt"
+  tail -3 "$OUT/$name.log"
+}
+for s in $STEPS; do
+  case $s in
+    fp8_tests) step pytest_fp8_block "${FP8_TESTS_TIMEOUT:-150}" python -m pytest -m gpu -q -p no:cacheprovider \
+                 tests/gpu/test_triton_fp8_block_gpu.py;;
+    mxfp8_tests) step pytest_mxfp8 "${MXFP8_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
+                   tests/gpu/test_triton_mxfp8_gpu.py;;
+    wgmma_tests) step pytest_wgmma "${WGMMA_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
+                   tests/gpu/test_fp8_block_wgmma_gpu.py;;
+    fp8_bench) step recipes_fp8_block "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
+                 --shapes dsv3-e32 --rounds "${ROUNDS:-3}" --out "$OUT/recipes_fp8_block";;
+    mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
+                   --shapes dsv3-e32 --out "$OUT/recipes_mxfp8";;
+  esac
+done
