@@ -2,7 +2,8 @@
 # What the device machine runs for the block-scaled recipes (runs 22 on): their GPU tests, then the
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
-#   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [wgmma_tests] [fp8_bench] [mxfp8_bench]
+#   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench]
+# other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -25,6 +26,8 @@ for s in $STEPS; do
                    tests/gpu/test_triton_mxfp8_gpu.py;;
     wgmma_tests) step pytest_wgmma "${WGMMA_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
                    tests/gpu/test_fp8_block_wgmma_gpu.py;;
+    other_tests) step pytest_other "${OTHER_TESTS_TIMEOUT:-420}" python -m pytest -m gpu -q -p no:cacheprovider -rs \
+                   tests/gpu --ignore=tests/gpu/test_triton_fp8_block_gpu.py --ignore=tests/gpu/test_triton_mxfp8_gpu.py;;
     fp8_bench) step recipes_fp8_block "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
                  --shapes dsv3-e32 --rounds "${ROUNDS:-3}" --out "$OUT/recipes_fp8_block";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \

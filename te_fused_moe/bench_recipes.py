@@ -30,7 +30,7 @@ import os
 import platform
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -258,8 +258,8 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
 # with the Triton wgrad (the default before run 19), or with the Gluon wgrad's consumers in one
 # partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
-# before run 20) or in two consumer partitions, or with the separate FC1 / dGLU epilogues reading the
-# FP32 accumulator instead of h and da in BF16 (the default before run 22)
+# before run 20) or in one consumer partition, or with the separate FC1 / dGLU epilogues reading the
+# FP32 accumulator instead of h and da in BF16 (both the defaults before run 22)
 FP32_EPILOGUE_INPUT = dict(EPILOGUE_INPUT_DTYPE=torch.float32)
 VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("fp8_block", gemm=FP32_EPILOGUE_INPUT),
                           "fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
@@ -268,8 +268,8 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                           "fp8_block_fused_triton_wgrad": _fused_under("fp8_block", wgrad=dict(WGRAD_ENGINE="triton")),
                           "fp8_block_fused_plain_no_tma_store": _fused_under("fp8_block",
                                                                              gemm=dict(PLAIN_TMA_STORE=False)),
-                          "fp8_block_fused_plain_two_consumers": _fused_under("fp8_block",
-                                                                              gemm=dict(PLAIN_CONSUMERS=2)),
+                          "fp8_block_fused_plain_one_consumer": _fused_under("fp8_block",
+                                                                             gemm=dict(PLAIN_CONSUMERS=1)),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
                                                                               wgrad=dict(WGRAD_CONSUMERS=1))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),
@@ -287,15 +287,23 @@ SCALED_GROUPED_MM = {
 }
 
 
-def selected_implementations(recipes=tuple(RECIPES), with_scaled_grouped_mm: bool = False) -> Dict:
-    """The implementations one run times: the BF16 pair, each chosen recipe's pair, and optionally
-    ``torch._scaled_grouped_mm``."""
+def selected_implementations(recipes=tuple(RECIPES), with_scaled_grouped_mm: bool = False,
+                             only: Sequence[str] = ()) -> Dict:
+    """The implementations one run times: the BF16 pair, each chosen recipe's pair and variants, and
+    optionally ``torch._scaled_grouped_mm``; ``only``: just these of them, and the BF16 unfused path
+    every ratio is taken against (an A/B of two defaults in more rounds than the full set affords)."""
     keep = {"bf16_unfused", "bf16_fused"} | {f"{r}_{kind}" for r in recipes for kind in ("unfused", "fused")}
     for recipe in recipes:
         keep.update(VARIANTS.get(recipe, {}))
     chosen = {name: fn for name, fn in IMPLEMENTATIONS.items() if name in keep}
     if with_scaled_grouped_mm:
         chosen.update(SCALED_GROUPED_MM)
+    if only:
+        unknown = sorted(set(only) - set(chosen))
+        if unknown:
+            raise ValueError(f"only: {unknown} are not among the implementations of recipes {list(recipes)}; "
+                             f"expected names from {sorted(chosen)}")
+        chosen = {name: fn for name, fn in chosen.items() if name in only or name == "bf16_unfused"}
     return chosen
 
 
@@ -470,7 +478,7 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),
-            "plain_gluon_2_consumers": dict(gemm_config=G(num_stages=4, consumers=2)),
+            "plain_gluon_1_consumer": dict(gemm_config=G(num_stages=4, consumers=1)),
             "plain_gluon_no_tma_store": dict(gemm_config=G(num_stages=4, tma_store=False)),
             # the wgrads: the Triton kernel (the default before run 19) and the Gluon one at other tiles,
             # stages, L2 bands, consumer partitions and without the TMA store of dw
@@ -572,7 +580,7 @@ def weight_cache_report(inputs, recipes=tuple(RECIPES)) -> Dict[str, Dict]:
 
 def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = True,
         budget_s: float = 150.0, recipes=tuple(RECIPES), with_scaled_grouped_mm: bool = False,
-        rounds: int = 1) -> Dict:
+        rounds: int = 1, only: Sequence[str] = ()) -> Dict:
     """``rounds`` > 1: every implementation is timed once per round, the rounds one after the other
     (A B C, A B C, ...), and each timing is the median over the rounds, so that a drift of the GPU's
     clocks over the run weighs on all implementations alike (the BF16 baseline moved 14.1-15.6 ms
@@ -588,7 +596,7 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         ceilings["fp8_gemm_tflops"] = float("nan")
         ceilings["fp8_gemm_error"] = f"{type(exc).__name__}: {exc}"
     peak = ceilings["bf16_gemm_tflops"]
-    implementations = selected_implementations(recipes, with_scaled_grouped_mm)
+    implementations = selected_implementations(recipes, with_scaled_grouped_mm, only)
     fp8_peak = ceilings["fp8_gemm_tflops"] if ceilings["fp8_gemm_tflops"] == ceilings["fp8_gemm_tflops"] else 2 * peak
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -718,6 +726,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="instead: time that recipe's kernels under a few block configs (first shape only)")
     parser.add_argument("--recipes", default=",".join(RECIPES),
                         help=f"comma-separated from {sorted(RECIPES)}: which recipes' implementations to time")
+    parser.add_argument("--implementations", default="",
+                        help="comma-separated: time only these of the recipes' implementations (and bf16_unfused)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every implementation this many times, interleaved, and keep the medians")
     parser.add_argument("--budget-s", type=float, default=150.0,
@@ -742,8 +752,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     chosen = args.recipes.split(",")
     if set(chosen) - set(RECIPES):
         parser.error(f"--recipes: unknown {sorted(set(chosen) - set(RECIPES))}; expected names from {sorted(RECIPES)}")
+    only = [n for n in args.implementations.split(",") if n]
+    try:
+        selected_implementations(chosen, args.with_scaled_grouped_mm, only)
+    except ValueError as exc:
+        parser.error(f"--implementations: {exc}")
     report = run(names, out_dir=args.out, kernels=not args.no_kernels, budget_s=args.budget_s, recipes=chosen,
-                 rounds=args.rounds,
-                 with_scaled_grouped_mm=args.with_scaled_grouped_mm)
+                 rounds=args.rounds, with_scaled_grouped_mm=args.with_scaled_grouped_mm, only=only)
     print(summary_table(report))
     return 0

@@ -19,10 +19,9 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py
 - Persistence: the producer partition walks the tiles ahead of the consumers, across tile
   boundaries; a grid forced down to 1-7 programs (many tiles each) must give the same exact results,
   with runs of empty experts and one-block experts in between, and so must 3 CTAs per SM.
-- Engine labels: ``gluon`` (the default config: tiles stored by TMA; the plain GEMM in one consumer
-  partition, the wgrad in two), ``gluon-2`` (the plain GEMM in two consumer partitions, a warpgroup
-  per half of each tile's rows), ``gluon-1`` (the wgrad in one), ``gluon-no-tma`` (without the TMA
-  store of their tiles), ``triton``. FP32 out too (the GEMMs of FC1 / the dGLU when their epilogues run alone).
+- Engine labels: ``gluon`` (the default config: tiles stored by TMA; the plain GEMM and the wgrad
+  in two consumer partitions, a warpgroup per half of each tile's rows), ``gluon-1`` (in one
+  partition), ``gluon-no-tma`` (without the TMA store of their tiles), ``triton``. FP32 out too (the GEMMs of FC1 / the dGLU when their epilogues run alone).
 """
 
 from __future__ import annotations
@@ -72,10 +71,10 @@ def _reference(aq, wq, counts, bias):
     return ref, mag, row
 
 
-PLAIN_GLUON = ("gluon", "gluon-2", "gluon-no-tma")
+PLAIN_GLUON = ("gluon", "gluon-1", "gluon-no-tma")
 WGRAD_GLUON = ("gluon", "gluon-1", "gluon-no-tma")
 # label -> (engine, config fields)
-_PLAIN = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-2": ("gluon", dict(consumers=2)),
+_PLAIN = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-1": ("gluon", dict(consumers=1)),
           "gluon-no-tma": ("gluon", dict(tma_store=False))}
 _WGRAD = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-1": ("gluon", dict(consumers=1, num_stages=5)),
           "gluon-no-tma": ("gluon", dict(tma_store=False))}

@@ -73,10 +73,10 @@ PLAIN_ENGINE = "auto"
 PLAIN_TMA_STORE = True
 # ...and its consumer partitions: 1 = both warpgroups in one partition; 2 = a warpgroup per half of
 # each tile's rows, each handing its stages back and storing its half on its own, not in step with
-# the other. Even at DSv3, with the TMA store as without (run 19e): FC2 / FC1 dgrad / the GEMMs of FC1
-# and the dGLU 0.92 / 1.59 / 1.75 / 0.87 ms with two vs 0.94 / 1.81 / 1.74 / 0.89 with one in run 20b,
-# 0.95 / 1.76 / 1.74 / 0.87 vs 0.90 / 1.78 / 1.69 / 0.88 in run 20c; the MLP 10.99 vs 11.01 ms (20c)
-PLAIN_CONSUMERS = 1
+# the other. Per kernel even at DSv3 (runs 19e, 20b-c, 22c: within ~2% either way), but the MLP was
+# faster with two in all four calls that timed both: 10.99 / 11.07 / 10.83 / 10.72 ms vs 11.01 / 11.16
+# / 10.93 / 10.84 with one (20c, 22a-c; 22c in 9 interleaved rounds)
+PLAIN_CONSUMERS = 2
 FC1_EPILOGUE = "auto"
 DACT_EPILOGUE = "auto"
 # What the separate epilogues read. None: their GEMM's output in h's dtype (x's unless

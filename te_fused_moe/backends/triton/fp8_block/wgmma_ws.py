@@ -197,7 +197,7 @@ def fp8_block_gemm_ws_kernel(
     ring = _ring(a_desc, b_desc, a_desc, NUM_STAGES, False, CONSUMERS)
     p = (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk, c_ptr, stride_cm, bias_ptr,
          stride_bias_e, T, N)
-    # one consumer partition (the default one) or two, each a warpgroup taking half of every tile's rows,
+    # one consumer partition or two (gemm.PLAIN_CONSUMERS), each a warpgroup taking half of every tile's rows,
     # handing its stages back and waiting at its own barriers, not in step with the other. (The
     # partitions' argument tuples are written out: a tuple built by concatenation or bound to a name
     # reaches them with its constexprs turned into Python values, which they cannot take.)
