@@ -474,7 +474,8 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             # FC2 / FC1 dgrad on the Triton kernel (the default before the Gluon one)
             "plain_triton": dict(gemm_config=G(num_stages=4, plain_engine="triton")),
             # the Gluon (warp-specialised) plain GEMM's pipeline depth (4 x 32 KB of tiles by default),
-            # L2 band and consumer partitions (2: a warpgroup per half of each tile's rows)
+            # L2 band and consumer partitions (1: both warpgroups in one; the default, 2, gives each a
+            # half of every tile's rows)
             "plain_gluon_s3": dict(gemm_config=G(num_stages=3)),
             "plain_gluon_s5": dict(gemm_config=G(num_stages=5)),
             "plain_gluon_g16": dict(gemm_config=G(num_stages=4, group_m=16)),

@@ -21,7 +21,8 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py
   with runs of empty experts and one-block experts in between, and so must 3 CTAs per SM.
 - Engine labels: ``gluon`` (the default config: tiles stored by TMA; the plain GEMM and the wgrad
   in two consumer partitions, a warpgroup per half of each tile's rows), ``gluon-1`` (in one
-  partition), ``gluon-no-tma`` (without the TMA store of their tiles), ``triton``. FP32 out too (the GEMMs of FC1 / the dGLU when their epilogues run alone).
+  partition), ``gluon-no-tma`` (without the TMA store of their tiles), ``triton``. FP32 out too (the
+  GEMMs of FC1 / the dGLU when their epilogues run alone).
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ PLAIN_TMA_STORE = True
 # ...and its consumer partitions: 1 = both warpgroups in one partition; 2 = a warpgroup per half of
 # each tile's rows, each handing its stages back and storing its half on its own, not in step with
 # the other. Per kernel even at DSv3 (runs 19e, 20b-c, 22c: within ~2% either way), but the MLP was
-# faster with two in all four calls that timed both: 10.99 / 11.07 / 10.83 / 10.72 ms vs 11.01 / 11.16
-# / 10.93 / 10.84 with one (20c, 22a-c; 22c in 9 interleaved rounds)
+# faster with two in all five calls that timed both: 10.99 / 11.07 / 10.83 / 10.72 / 10.67 ms vs
+# 11.01 / 11.16 / 10.93 / 10.84 / 10.75 with one (20c, 22a-d; 22c in 9 interleaved rounds)
 PLAIN_CONSUMERS = 2
 FC1_EPILOGUE = "auto"
 DACT_EPILOGUE = "auto"
