@@ -1,0 +1,134 @@
+"""Where the Gluon FP8 block wgrad's time goes: ablations of its per-block promotion (a measurement
+tool, not a kernel option: every ablation but ``base`` computes wrong dw on purpose).
+
+Each variant runs in its own process (a Gluon kernel's dependencies are fixed at its first compile),
+with ``wgmma_gemm``'s promotion helpers replaced before the first launch:
+- ``base``: the kernel as it ships.
+- ``row_scale_only``: no column scales (no shared-memory loads of them, one FFMA per element, as the
+  plain GEMM).
+- ``add_only``: no scales at all (acc + part, one FADD per element), the row scales still loaded.
+  (ptxas drops the row scales' loads there: the mainloop of a GEMM summing its 128-token partial products.)
+Timed at DSv3's w1 wgrad (T routed rows over E experts, N = 4096, K = 7168), and with E = 2 (128
+token blocks per tile instead of 8) to separate per-tile costs from per-block ones.
+
+  usage: python scripts/probe_wgrad.py [--out DIR]        (all variants, each in a subprocess)
+         python scripts/probe_wgrad.py --variant NAME [--shape S] [--once]   (one, prints JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+
+VARIANTS = ("base", "row_scale_only", "add_only")
+SHAPES = {"dsv3_w1_e32": (32768, 32, 4096, 7168), "w1_e2": (32768, 2, 4096, 7168)}
+
+
+@gluon.jit
+def retire_without_col_scales(ring, token, outstanding: gl.constexpr, j, NUM_STAGES: gl.constexpr,
+                              OUTER: gl.constexpr):
+    done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(token,))
+    gl.thread_barrier()
+    mbarrier.arrive(ring[7].index(j % NUM_STAGES), count=1)
+    return done, 1.0
+
+
+@gluon.jit
+def promote_by_row(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
+    factor = gl.broadcast(row_scale[:, None], part)[0]
+    return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc],
+                                     dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def promote_by_add(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
+    return gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [part, acc], dtype=gl.float32,
+                                     is_pure=False, pack=1)
+
+
+def _patch(variant: str) -> None:
+    """Replaces the promotion helpers of ``wgmma_gemm`` that the wgrad's consumers call."""
+    from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
+
+    if variant == "base":
+        return
+    W._retire = retire_without_col_scales
+    W._promote = promote_by_row if variant == "row_scale_only" else promote_by_add
+
+
+def _operands(routed: int, experts: int, n: int, k: int):
+    """Columnwise FP8 block copies of random g [routed, n] and x [routed, k] (BF16) over equal expert
+    counts, their schedule and a BF16 dw."""
+    import torch
+
+    from te_fused_moe.bench_recipes import recipe_kernels
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    kernels, spec = recipe_kernels("fp8_block")
+    counts = torch.full((experts,), routed // experts, dtype=torch.int32, device="cuda")
+    sched = build_schedule(counts, routed, kernels.tile)
+    g = torch.randn(routed, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(routed, k, device="cuda", dtype=torch.bfloat16)
+    cols = lambda t: kernels.quantize_rows(t, sched, experts, spec, rowwise=False, colwise=True)
+    gq, xq = cols(g), cols(x)
+    dw = torch.empty(experts, n, k, device="cuda", dtype=torch.bfloat16)
+    return kernels, gq, xq, sched, dw
+
+
+def run_variant(variant: str, shapes=tuple(SHAPES), once: bool = False) -> dict:
+    """Times ``variant`` at ``shapes``; ``once``: one launch each, untimed (for a profiler)."""
+    from te_fused_moe.bench import do_bench_ms
+
+    _patch(variant)
+    out = {}
+    for name in shapes:
+        routed, experts, n, k = SHAPES[name]
+        kernels, gq, xq, sched, dw = _operands(routed, experts, n, k)
+        fn = lambda: kernels.grouped_wgrad(gq, xq, sched, dw)
+        fn()
+        if once:
+            continue
+        ms = do_bench_ms(fn)
+        out[name] = {"ms": round(ms, 4), "tflops": round(2.0 * routed * n * k / ms / 1e9, 1)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--shape", choices=sorted(SHAPES), help="with --variant: this shape only")
+    p.add_argument("--once", action="store_true", help="with --variant: one untimed launch per shape (profiling)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, (args.shape,) if args.shape else tuple(SHAPES), args.once)))
+        return
+    results = {}
+    for variant in VARIANTS:
+        proc = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True)
+        if proc.returncode:
+            results[variant] = {"error": proc.stderr[-2000:]}
+        else:
+            results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(variant, json.dumps(results[variant])[:400], flush=True)
+    base = results.get("base", {})
+    for variant, res in results.items():
+        for shape, r in res.items():
+            if isinstance(r, dict) and shape in base:
+                r["vs_base"] = round(base[shape]["ms"] / r["ms"], 3)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "probe_wgrad.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
