@@ -25,26 +25,25 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+
+from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
 VARIANTS = ("base", "row_scale_only", "add_only")
 SHAPES = {"dsv3_w1_e32": (32768, 32, 4096, 7168), "w1_e2": (32768, 2, 4096, 7168)}
 
 
+SHIPPED_RETIRE, SHIPPED_PROMOTE = W._retire, W._promote  # before _patch rebinds them
+
+
 @gluon.jit
 def retire_without_col_scales(ring, token, outstanding: gl.constexpr, j, NUM_STAGES: gl.constexpr,
                               OUTER: gl.constexpr):
-    done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(token,))
-    gl.thread_barrier()
-    mbarrier.arrive(ring[7].index(j % NUM_STAGES), count=1)
-    return done, 1.0
+    return SHIPPED_RETIRE(ring, token, outstanding, j, NUM_STAGES, False)
 
 
 @gluon.jit
 def promote_by_row(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
-    factor = gl.broadcast(row_scale[:, None], part)[0]
-    return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc],
-                                     dtype=gl.float32, is_pure=False, pack=1)
+    return SHIPPED_PROMOTE(acc, part, row_scale, col_scale, False)
 
 
 @gluon.jit
@@ -55,8 +54,6 @@ def promote_by_add(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 
 def _patch(variant: str) -> None:
     """Replaces the promotion helpers of ``wgmma_gemm`` that the wgrad's consumers call."""
-    from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
-
     if variant == "base":
         return
     W._retire = retire_without_col_scales
