@@ -3,6 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench]
+#          [wgrad_probe]
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -30,6 +31,7 @@ for s in $STEPS; do
                    tests/gpu --ignore=tests/gpu/test_triton_fp8_block_gpu.py --ignore=tests/gpu/test_triton_mxfp8_gpu.py;;
     fp8_bench) step recipes_fp8_block "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
                  --shapes dsv3-e32 --rounds "${ROUNDS:-3}" --out "$OUT/recipes_fp8_block";;
+    wgrad_probe) step probe_wgrad "${PROBE_TIMEOUT:-240}" python scripts/probe_wgrad.py --out "$OUT/probe_wgrad";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
                    --shapes dsv3-e32 --out "$OUT/recipes_mxfp8";;
   esac

@@ -1,18 +1,24 @@
 """Where the Gluon FP8 block wgrad's time goes: ablations of its per-block promotion (a measurement
-tool, not a kernel option: every ablation but ``base`` computes wrong dw on purpose).
+tool: the ablations compute wrong dw on purpose).
 
 Each variant runs in its own process (a Gluon kernel's dependencies are fixed at its first compile),
 with ``wgmma_gemm``'s promotion helpers replaced before the first launch:
-- ``base``: the kernel as it ships.
+- ``base``: the kernel with its first mainloop (each block's promotion under the next block's wgmma).
+- ``scales_first``: the other mainloop (``wgrad.WGRAD_SCALES_FIRST``: one wgmma in flight, the scales'
+  outer product formed under it); a kernel option, dw as ``base``'s.
+- ``col_then_row``: ``base`` with each partial product scaled by its column scales first, then FMA'd
+  with the row scales (as many FP32 ops; fewer register reads: each column scale serves two rows, each
+  row scale 32 columns); the same dw where the scales are powers of two (the recipe's default).
 - ``row_scale_only``: no column scales (no shared-memory loads of them, one FFMA per element, as the
   plain GEMM).
 - ``add_only``: no scales at all (acc + part, one FADD per element), the row scales still loaded.
   (ptxas drops the row scales' loads there: the mainloop of a GEMM summing its 128-token partial products.)
-Timed at DSv3's w1 wgrad (T routed rows over E experts, N = 4096, K = 7168), and with E = 2 (128
-token blocks per tile instead of 8) to separate per-tile costs from per-block ones.
+Timed at DSv3's w1 and w2 wgrads (T routed rows over E experts; w1: N = 4096, K = 7168; w2: N = 7168,
+K = 2048), and w1 with E = 2 (128 token blocks per tile instead of 8) to separate per-tile costs from
+per-block ones.
 
   usage: python scripts/probe_wgrad.py [--out DIR]        (all variants, each in a subprocess)
-         python scripts/probe_wgrad.py --variant NAME [--shape S] [--once]   (one, prints JSON)
+         python scripts/probe_wgrad.py --variant NAME [--shape S] [--once | --spin SECONDS]   (one, prints JSON)
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from triton.experimental.gluon import language as gl
 
 from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
-VARIANTS = ("base", "row_scale_only", "add_only")
-SHAPES = {"dsv3_w1_e32": (32768, 32, 4096, 7168), "w1_e2": (32768, 2, 4096, 7168)}
+VARIANTS = ("base", "scales_first", "col_then_row", "row_scale_only", "add_only")
+SHAPES = {"dsv3_w1_e32": (32768, 32, 4096, 7168), "dsv3_w2_e32": (32768, 32, 7168, 2048),
+          "w1_e2": (32768, 2, 4096, 7168)}
 
 
 SHIPPED_RETIRE, SHIPPED_PROMOTE = W._retire, W._promote  # before _patch rebinds them
@@ -47,14 +54,28 @@ def promote_by_row(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 
 
 @gluon.jit
+def promote_col_then_row(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
+    scaled = gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", list(gl.broadcast(part, col_scale)),
+                                       dtype=gl.float32, is_pure=False, pack=1)
+    return SHIPPED_PROMOTE(acc, scaled, row_scale, col_scale, False)
+
+
+@gluon.jit
 def promote_by_add(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
     return gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [part, acc], dtype=gl.float32,
                                      is_pure=False, pack=1)
 
 
 def _patch(variant: str) -> None:
-    """Replaces the promotion helpers of ``wgmma_gemm`` that the wgrad's consumers call."""
-    if variant == "base":
+    """Picks the wgrad's mainloop (``scales_first``: the other one, a kernel option with the same dw) or
+    replaces the promotion helpers of ``wgmma_gemm`` that its consumers call (the ablations)."""
+    from te_fused_moe.backends.triton.fp8_block import wgrad
+
+    wgrad.WGRAD_SCALES_FIRST = variant == "scales_first"
+    if variant in ("base", "scales_first"):
+        return
+    if variant == "col_then_row":
+        W._promote = promote_col_then_row
         return
     W._retire = retire_without_col_scales
     W._promote = promote_by_row if variant == "row_scale_only" else promote_by_add
@@ -68,6 +89,7 @@ def _operands(routed: int, experts: int, n: int, k: int):
     from te_fused_moe.bench_recipes import recipe_kernels
     from te_fused_moe.backends.triton.schedule import build_schedule
 
+    torch.manual_seed(0)  # the same operands in every variant's process: dw_bits compare across them
     kernels, spec = recipe_kernels("fp8_block")
     counts = torch.full((experts,), routed // experts, dtype=torch.int32, device="cuda")
     sched = build_schedule(counts, routed, kernels.tile)
@@ -79,8 +101,11 @@ def _operands(routed: int, experts: int, n: int, k: int):
     return kernels, gq, xq, sched, dw
 
 
-def run_variant(variant: str, shapes=tuple(SHAPES), once: bool = False) -> dict:
-    """Times ``variant`` at ``shapes``; ``once``: one launch each, untimed (for a profiler)."""
+def run_variant(variant: str, shapes=tuple(SHAPES), once: bool = False, spin: float = 0.0) -> dict:
+    """Times ``variant`` at ``shapes``; ``once``: one launch each, untimed (for a profiler); ``spin``:
+    launches back to back for that many seconds each, untimed (to sample clocks and power meanwhile)."""
+    import torch
+
     from te_fused_moe.bench import do_bench_ms
 
     _patch(variant)
@@ -92,8 +117,22 @@ def run_variant(variant: str, shapes=tuple(SHAPES), once: bool = False) -> dict:
         fn()
         if once:
             continue
+        if spin:
+            import time
+
+            end, launches = time.time() + spin, 0
+            while time.time() < end:
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+                launches += 20
+            out[name] = {"launches": launches, "seconds": spin}
+            continue
         ms = do_bench_ms(fn)
-        out[name] = {"ms": round(ms, 4), "tflops": round(2.0 * routed * n * k / ms / 1e9, 1)}
+        # an exact fingerprint of dw's bits: the kernel options must match base's
+        weights = (torch.arange(dw.numel(), device=dw.device, dtype=torch.int32) % 7 + 1).view_as(dw)
+        bits = int(dw.view(torch.int16).to(torch.int32).mul_(weights).sum(dtype=torch.int64))
+        out[name] = {"ms": round(ms, 4), "tflops": round(2.0 * routed * n * k / ms / 1e9, 1), "dw_bits": bits}
     return out
 
 
@@ -102,10 +141,13 @@ def main() -> None:
     p.add_argument("--variant", choices=VARIANTS)
     p.add_argument("--shape", choices=sorted(SHAPES), help="with --variant: this shape only")
     p.add_argument("--once", action="store_true", help="with --variant: one untimed launch per shape (profiling)")
+    p.add_argument("--spin", type=float, default=0.0,
+                   help="with --variant: launch back to back for this many seconds per shape (nvidia-smi meanwhile)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args.variant, (args.shape,) if args.shape else tuple(SHAPES), args.once)))
+        print(json.dumps(run_variant(args.variant, (args.shape,) if args.shape else tuple(SHAPES), args.once,
+                                     args.spin)))
         return
     results = {}
     for variant in VARIANTS:
