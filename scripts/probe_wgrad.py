@@ -1,11 +1,11 @@
 """Where the Gluon FP8 block wgrad's time goes: ablations of its per-block promotion (a measurement
-tool: the ablations compute wrong dw on purpose).
+tool: the ablations but ``col_then_row`` compute wrong dw on purpose).
 
 Each variant runs in its own process (a Gluon kernel's dependencies are fixed at its first compile),
 with ``wgmma_gemm``'s promotion helpers replaced before the first launch:
-- ``base``: the kernel with its first mainloop (each block's promotion under the next block's wgmma).
-- ``scales_first``: the other mainloop (``wgrad.WGRAD_SCALES_FIRST``: one wgmma in flight, the scales'
-  outer product formed under it); a kernel option, dw as ``base``'s.
+- ``base``: the kernel as it ships. (Run 24's ``scales_first``, a second mainloop with one wgmma in
+  flight and the scales' outer product formed under it, measured the same and was not kept: commit
+  3ba001f.)
 - ``col_then_row``: ``base`` with each partial product scaled by its column scales first, then FMA'd
   with the row scales (as many FP32 ops; fewer register reads: each column scale serves two rows, each
   row scale 32 columns); the same dw where the scales are powers of two (the recipe's default).
@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 
 from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
-VARIANTS = ("base", "scales_first", "col_then_row", "row_scale_only", "add_only")
+VARIANTS = ("base", "col_then_row", "row_scale_only", "add_only")
 SHAPES = {"dsv3_w1_e32": (32768, 32, 4096, 7168), "dsv3_w2_e32": (32768, 32, 7168, 2048),
           "w1_e2": (32768, 2, 4096, 7168)}
 
@@ -67,12 +67,8 @@ def promote_by_add(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 
 
 def _patch(variant: str) -> None:
-    """Picks the wgrad's mainloop (``scales_first``: the other one, a kernel option with the same dw) or
-    replaces the promotion helpers of ``wgmma_gemm`` that its consumers call (the ablations)."""
-    from te_fused_moe.backends.triton.fp8_block import wgrad
-
-    wgrad.WGRAD_SCALES_FIRST = variant == "scales_first"
-    if variant in ("base", "scales_first"):
+    """Replaces the promotion helpers of ``wgmma_gemm`` that the wgrad's consumers call."""
+    if variant == "base":
         return
     if variant == "col_then_row":
         W._promote = promote_col_then_row

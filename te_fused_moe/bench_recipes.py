@@ -257,7 +257,7 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16), or
 # with the Triton wgrad (the default before run 19), or with the Gluon wgrad's consumers in one
-# partition (run 19's first default) or on its scales-first mainloop (run 24), or with the plain Gluon GEMM storing from registers (the default
+# partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
 # before run 20) or in one consumer partition, or with the separate FC1 / dGLU epilogues reading the
 # FP32 accumulator instead of h and da in BF16 (both the defaults before run 22)
 FP32_EPILOGUE_INPUT = dict(EPILOGUE_INPUT_DTYPE=torch.float32)
@@ -271,9 +271,7 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                           "fp8_block_fused_plain_one_consumer": _fused_under("fp8_block",
                                                                              gemm=dict(PLAIN_CONSUMERS=1)),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
-                                                                              wgrad=dict(WGRAD_CONSUMERS=1)),
-                          "fp8_block_fused_wgrad_scales_first": _fused_under("fp8_block",
-                                                                             wgrad=dict(WGRAD_SCALES_FIRST=True))},
+                                                                              wgrad=dict(WGRAD_CONSUMERS=1))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "mxfp8_fused_fp32_dglu_input": _fused_under("mxfp8", gemm=FP32_EPILOGUE_INPUT)},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
@@ -489,7 +487,6 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "wgrad_gluon_1_consumer": dict(wgrad_config=gluon_wgrad(consumers=1, num_stages=5)),
             "wgrad_gluon_s5": dict(wgrad_config=gluon_wgrad(num_stages=5)),
             "wgrad_gluon_no_tma_store": dict(wgrad_config=gluon_wgrad(tma_store=False)),
-            "wgrad_gluon_scales_first": dict(wgrad_config=gluon_wgrad(scales_first=True)),
             "wgrad_gluon_g4": dict(wgrad_config=gluon_wgrad(group_n=4)),
             "wgrad_gluon_64x128_2cta": dict(wgrad_config=gluon_wgrad(block_n=64, num_warps=4, num_stages=3,
                                                                      ctas_per_sm=2, consumers=1)),

@@ -5,9 +5,8 @@ H200: tests/gpu/test_fp8_block_wgmma_gpu.py.
 
 Build checks (ptxas from the Triton wheel), for the plain GEMM and the wgrad, as launched by default
 and in their other supported shapes (one or two consumer partitions, with and without the TMA store
-of the output, BF16 or FP32 out; the wgrad at 64x128 on one warpgroup at two CTAs per SM, and with each
-of its two mainloops): no spills; 4 FP8 wgmmas per 128-wide K block at each of the four issue sites
-(first block, the loop's two, the odd tail; one site in the wgrad's scales-first mainloop) per
+of the output, BF16 or FP32 out; the wgrad at 64x128 on one warpgroup at two CTAs per SM): no spills; 4 FP8 wgmmas per
+128-wide K block at each of the four issue sites (first block, the loop's two, the odd tail) per
 consumer partition; the wgmmas of a block share one commit group (when a non-wgmma instruction touches
 an in-flight accumulator, ptxas serialises every wgmma and gives each its own group: C7514); waits
 that leave one group in flight (the promotion under the next wgmma); shared memory within the H200's
@@ -30,7 +29,7 @@ def sm90_build_report() -> dict:
     from triton.runtime.jit import mangle_type
 
     from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W, wgmma_ws as WS
-    from te_fused_moe.backends.triton.fp8_block.wgrad import WGRAD_SCALES_FIRST, default_config
+    from te_fused_moe.backends.triton.fp8_block.wgrad import default_config
 
     def build(kernel, types, consts, warps, ctas_per_sm, tile_elements, consumers):
         launch = WS._partitions(warps, consumers, ctas_per_sm, tile_elements)
@@ -59,7 +58,7 @@ def sm90_build_report() -> dict:
                                                        TMA_STORE=tma_store),
                                                   W.NUM_WARPS, 1, W.BM * W.BN, consumers)
 
-    def wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers, scales_first):
+    def wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers):
         g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
         types = dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
                      xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
@@ -67,19 +66,17 @@ def sm90_build_report() -> dict:
         dw_desc = WS._wgrad_store_descriptor(torch.empty(4, 4096, 7168, dtype=torch.bfloat16), block_n // consumers,
                                              block_k)
         types["dw_desc"] = mangle_type(dw_desc) if tma_store else types["g_desc"]
-        return dict(build(WS.fp8_block_wgrad_ws_kernel, types, dict(GROUP_N=8, NUM_STAGES=stages, TMA_STORE=tma_store,
-                                                                    SCALES_FIRST=scales_first),
-                          warps, ctas_per_sm, block_n * block_k, consumers), scales_first=scales_first)
+        return build(WS.fp8_block_wgrad_ws_kernel, types, dict(GROUP_N=8, NUM_STAGES=stages, TMA_STORE=tma_store),
+                     warps, ctas_per_sm, block_n * block_k, consumers)
 
     c = default_config(gluon=True)
     report["wgrad_default"] = wgrad(c.block_n, c.block_k, c.num_warps, c.num_stages, c.ctas_per_sm, c.tma_store,
-                                    c.consumers, WGRAD_SCALES_FIRST)
-    for scales_first in (False, True):
-        for consumers, stages in ((1, 5), (2, 4)):
-            for tma_store in (False, True):
-                name = f"wgrad_{consumers}{'_tma' if tma_store else ''}{'_sf' if scales_first else ''}"
-                report[name] = wgrad(128, 128, 8, stages, 1, tma_store, consumers, scales_first)
-    report["wgrad_64x128"] = wgrad(64, 128, 4, 3, 2, True, 1, WGRAD_SCALES_FIRST)
+                                    c.consumers)
+    for consumers, stages in ((1, 5), (2, 4)):
+        for tma_store in (False, True):
+            report[f"wgrad_{consumers}{'_tma' if tma_store else ''}"] = wgrad(128, 128, 8, stages, 1, tma_store,
+                                                                              consumers)
+    report["wgrad_64x128"] = wgrad(64, 128, 4, 3, 2, True, 1)
     return report
 
 
@@ -97,21 +94,17 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_fp8_block_wgmma")
     plain = {f"{n}_{c}" for n in ("fc2_e4m3_bias", "dgrad_e5m2", "acc_fp32", "fc2_no_tma") for c in (1, 2)}
-    wgrads = {f"wgrad_{c}{tma}{sf}" for c in (1, 2) for tma in ("", "_tma") for sf in ("", "_sf")}
-    assert set(report) == plain | wgrads | {"wgrad_default", "wgrad_64x128"}
+    assert set(report) == plain | {"wgrad_default", "wgrad_1", "wgrad_1_tma", "wgrad_2", "wgrad_2_tma",
+                                   "wgrad_64x128"}
     assert report["wgrad_default"]["consumers"] == 2
     for name, r in report.items():
         # no spills, also at 232-256 registers: the wgrad's column scales are read from shared memory at
         # the promotion, not held in registers
         assert r["stack"] == 0, (name, r)
         copies = r["consumers"]  # two consumer partitions: two copies of the loop
-        # the wgrad's scales-first mainloop issues each block at one site and waits for it (none left in
-        # flight); the other mainloop at four sites: first block, the loop's two, the odd tail
-        sites = 1 if r.get("scales_first") else 4
-        assert r["qgmma"] == 4 * sites * copies, (name, r)  # 4 per block
-        assert r["qgmma_grouped"] == 3 * sites * copies, (name, r)  # 3 of each block's 4 join the 4th's group
-        if sites == 4:
-            assert r["wait_le1"] >= 3 * copies, (name, r)  # the loop's two waits and the tail's first
+        assert r["qgmma"] == 16 * copies, (name, r)  # 4 per block x 4 issue sites
+        assert r["qgmma_grouped"] == 12 * copies, (name, r)  # 3 of each block's 4 join the group the 4th commits
+        assert r["wait_le1"] >= 3 * copies, (name, r)  # the loop's two waits and the tail's first
         assert r["shared"] <= 227 * 1024, (name, r)
         assert r["setmaxnreg_max"] == _most_registers_asked(name, copies), (name, r)
     # two CTAs of the 64x128 wgrad share an SM's 227 KB
@@ -121,7 +114,7 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     # stores has only that one): without it a refill can overwrite them early, a race only seen once
     # the ring wraps at full size (run 21, in a Gluon quantize pass)
     assert report["fc2_no_tma_1"]["fence_async"] == 1, report["fc2_no_tma_1"]
-    for name in ("wgrad_1", "wgrad_2", "wgrad_1_sf", "wgrad_2_sf"):
+    for name in ("wgrad_1", "wgrad_2"):
         assert report[name]["fence_async"] == 2, (name, report[name])
 
 

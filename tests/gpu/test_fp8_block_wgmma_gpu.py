@@ -21,9 +21,8 @@ Run on the device machine: ``pytest -m gpu tests/gpu/test_fp8_block_wgmma_gpu.py
   with runs of empty experts and one-block experts in between, and so must 3 CTAs per SM.
 - Engine labels: ``gluon`` (the default config: tiles stored by TMA; the plain GEMM and the wgrad
   in two consumer partitions, a warpgroup per half of each tile's rows), ``gluon-1`` (in one
-  partition), ``gluon-no-tma`` (without the TMA store of their tiles), ``triton``; the wgrad's two
-  mainloops whichever is the default, ``gluon-scales-first`` and ``gluon-under-next``. FP32 out too
-  (the GEMMs of FC1 / the dGLU when their epilogues run alone).
+  partition), ``gluon-no-tma`` (without the TMA store of their tiles), ``triton``. FP32 out too (the
+  GEMMs of FC1 / the dGLU when their epilogues run alone).
 """
 
 from __future__ import annotations
@@ -74,15 +73,12 @@ def _reference(aq, wq, counts, bias):
 
 
 PLAIN_GLUON = ("gluon", "gluon-1", "gluon-no-tma")
-WGRAD_GLUON = ("gluon", "gluon-1", "gluon-no-tma", "gluon-scales-first", "gluon-under-next")
+WGRAD_GLUON = ("gluon", "gluon-1", "gluon-no-tma")
 # label -> (engine, config fields)
 _PLAIN = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-1": ("gluon", dict(consumers=1)),
           "gluon-no-tma": ("gluon", dict(tma_store=False))}
 _WGRAD = {"triton": ("triton", {}), "gluon": ("gluon", {}), "gluon-1": ("gluon", dict(consumers=1, num_stages=5)),
-          "gluon-no-tma": ("gluon", dict(tma_store=False)),
-          # both mainloops whichever is the default (wgrad.WGRAD_SCALES_FIRST)
-          "gluon-scales-first": ("gluon", dict(scales_first=True)),
-          "gluon-under-next": ("gluon", dict(scales_first=False))}
+          "gluon-no-tma": ("gluon", dict(tma_store=False))}
 
 
 def _run(label, aq, wq, counts, sched, bias, n, out_dtype=torch.bfloat16, **config):

@@ -173,43 +173,6 @@ def _promoted_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scal
 
 
 @gluon.jit
-def _scales_first_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scales, mma: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr):
-    """The wgrad's sum over token blocks ``k_first ..`` (``k_tiles >= 1``) of ``dot(A block, B block^T) *
-    row_scale[:, None] * col_scale[None, :]`` in FP32, as :func:`_promoted_mainloop` with ``OUTER``
-    (same products, same order: bitwise the same dw) but one wgmma in flight per consumer: while
-    block ``k``'s runs, its scales' outer product is formed (the column scales from the ring, the row
-    scales loaded one block ahead); after waiting for it, one FMA per element. Two register tiles and
-    the factor tile instead of three tiles plus the column scales (which spilled when loaded before
-    the wait); the other consumer partition's wgmma keeps the tensor cores busy over the FMAs."""
-    BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
-    BLOCK_N: gl.constexpr = ring[3].shape[1]
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    part = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    rs = gl.load(row_scales + k_first * stride_row_scales)
-    for k in range(k_tiles):
-        stage = (used + k) % NUM_STAGES
-        in_flight = _issue(ring, used + k, part, NUM_STAGES, BAND, BANDS)
-        factor = _scale_product(rs, ring[6].index(stage).load(mma), part)
-        rs = gl.load(row_scales + (k_first + gl.minimum(k + 1, k_tiles - 1)) * stride_row_scales)
-        part = warpgroup_mma_wait(num_outstanding=0, deps=(in_flight,))
-        gl.thread_barrier()  # as in _retire
-        mbarrier.arrive(ring[7].index(stage), count=1)
-        acc = gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc],
-                                        dtype=gl.float32, is_pure=False, pack=1)
-    return acc
-
-
-@gluon.jit
-def _scale_product(row_scale, col_scale, like):
-    """``row_scale[:, None] * col_scale`` ([1, BLOCK_N]) as ``like``'s tile, by inline PTX marked impure so
-    that it stays where it is written: before the wait for the wgmma it runs under."""
-    rows, cols = gl.broadcast(row_scale[:, None], col_scale)
-    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [rows, cols], dtype=gl.float32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
 def _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k, OUTER: gl.constexpr):
     """Block ``k``'s per-row scale factors: A's (``OUTER``: B's come with the stage) or A's times the
     128x128 weight block's scalar (taken at load time: the rows' vector stays 2 registers)."""

@@ -217,8 +217,7 @@ def fp8_block_gemm_ws_kernel(
 
 @gluon.jit
 def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    TMA_STORE: gl.constexpr, SCALES_FIRST: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    TMA_STORE: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr, num_warps: gl.constexpr):
     """The wgrad's tiles ``program_id, + grid, ...`` in the producer's order, rows ``BAND`` of ``BANDS`` of
     each on ``num_warps`` warps; experts without tokens store zeros. ``TMA_STORE``: each dw
     tile goes out through a shared-memory staging tile and a TMA store that runs under the next tile's
@@ -237,12 +236,8 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
         row0 = pid_n * TILE_N + BAND * BLOCK_N
         if tile_end > tile_start:
             rows_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-            if SCALES_FIRST:
-                acc = W._scales_first_mainloop(ring, used, tile_start, tile_end - tile_start, gs_ptr + rows_n,
-                                               stride_gst, mma, NUM_STAGES, BAND, BANDS)
-            else:
-                acc = W._promoted_mainloop(ring, used, tile_start, tile_end - tile_start, gs_ptr + rows_n,
-                                           stride_gst, gs_ptr, 0, mma, NUM_STAGES, True, BAND, BANDS)
+            acc = W._promoted_mainloop(ring, used, tile_start, tile_end - tile_start, gs_ptr + rows_n, stride_gst,
+                                       gs_ptr, 0, mma, NUM_STAGES, True, BAND, BANDS)
             used += tile_end - tile_start
         else:
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma)
@@ -260,8 +255,8 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
 def fp8_block_wgrad_ws_kernel(
     g_desc, gs_ptr, stride_gst, x_desc, xs_desc, dw_ptr, dw_desc, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
-    GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, SCALES_FIRST: gl.constexpr,
-    CONSUMERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMERS: gl.constexpr,
+    CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``dw[e][n tile, k tile] = sum over expert e's token blocks t of G_t^T X_t * gs[t, n] * xs[t, k]``
     from the columnwise copies (``data_t`` [N or K, 128 * tiles], one 128-token block per M tile of the
@@ -275,15 +270,15 @@ def fp8_block_wgrad_ws_kernel(
     ring = _ring(g_desc, x_desc, xs_desc, NUM_STAGES, True, CONSUMERS)
     p = (gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N)
     if CONSUMERS == 1:  # as in fp8_block_gemm_ws_kernel
-        gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, SCALES_FIRST,
-                                               FIRST_BAND, CONSUMERS, num_warps)),
+        gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, FIRST_BAND,
+                                               CONSUMERS, num_warps)),
                             (_producer, (ring, src, W.KIND_WGRAD, GROUP_N, NUM_STAGES, True))],
                            [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
-        gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, SCALES_FIRST,
-                                               FIRST_BAND, CONSUMERS, num_warps)),
-                            (_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, SCALES_FIRST,
-                                               SECOND_BAND, CONSUMERS, num_warps)),
+        gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, FIRST_BAND,
+                                               CONSUMERS, num_warps)),
+                            (_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, SECOND_BAND,
+                                               CONSUMERS, num_warps)),
                             (_producer, (ring, src, W.KIND_WGRAD, GROUP_N, NUM_STAGES, True))],
                            [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
@@ -362,15 +357,12 @@ def _wgrad_store_descriptor(dw: torch.Tensor, block_n: int, block_k: int):
 
 
 def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, *, block_n: int, block_k: int, group_n: int,
-                 num_stages: int, num_warps: int, ctas_per_sm: int, tma_store: bool, consumers: int,
-                 scales_first: bool = False):
+                 num_stages: int, num_warps: int, ctas_per_sm: int, tma_store: bool, consumers: int):
     """``dw[e] = G_e^T @ X_e`` ([E, N, K], 128-multiples) from the columnwise copies of ``g`` and ``x``
     (:class:`~.quantize.QuantizedRows`) in ``block_n`` x ``block_k`` tiles of ``dw``, ``ctas_per_sm``
     persistent programs per SM (0 counts as 1), ``consumers`` consumer partitions
     (:func:`_partitions`); ``tma_store``: dw tiles stored by TMA where dw allows it (contiguous
-    16-bit); ``scales_first``: the mainloop of :func:`.wgmma_gemm._scales_first_mainloop` (else
-    :func:`.wgmma_gemm._promoted_mainloop`). The caller (``wgrad.fp8_grouped_wgrad``, from its config)
-    checked the shapes."""
+    16-bit). The caller (``wgrad.fp8_grouped_wgrad``, from its config) checked the shapes."""
     num_experts, n, k = dw.shape
     ctas_per_sm = max(1, ctas_per_sm)
     tiles = num_experts * (n // block_n) * (k // block_k)
@@ -381,5 +373,5 @@ def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, *, block_n: int
         g_desc, g.scale_t, g.scale_t.stride(0),
         W.descriptor(x.data_t, block_k), W.scale_descriptor(x.scale_t, block_k),
         dw, dw_desc if dw_desc is not None else g_desc, dw.stride(0), dw.stride(1), schedule, n, k, num_experts + 1,
-        GROUP_N=group_n, NUM_STAGES=num_stages, TMA_STORE=dw_desc is not None, SCALES_FIRST=scales_first, **launch,
+        GROUP_N=group_n, NUM_STAGES=num_stages, TMA_STORE=dw_desc is not None, **launch,
     )

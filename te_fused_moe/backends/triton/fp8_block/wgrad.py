@@ -42,11 +42,6 @@ WGRAD_ENGINE = "auto"
 # ncu's leading stall, run 19d). Same process (19e): w1 / w2 2.43 / 1.23 ms at 4 stages, 2.51 / 1.28
 # at 5, vs 2.55 / 1.28 for one partition at 5 stages (2.66 at 4, 19c); MLP 11.24 vs 11.46 ms (19f)
 WGRAD_CONSUMERS = 2
-# The Gluon wgrad's mainloop: False = each token block's promotion under the next block's wgmma (three
-# register tiles per thread, the column scales read from shared memory after the wait: ncu's leading
-# stall, run 23); True = one wgmma in flight per consumer, the scales' outer product formed under it and
-# one FMA per element after (wgmma_gemm._scales_first_mainloop). Same dw bitwise.
-WGRAD_SCALES_FIRST = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,6 @@ class FP8WgradConfig:
     ctas_per_sm: int = 1  # Gluon kernel: persistent programs per SM
     tma_store: bool = False  # Gluon kernel: dw tiles stored by TMA (where dw is 16-bit and contiguous)
     consumers: int = 1  # Gluon kernel: consumer partitions (2: a warpgroup per half of the tile's rows)
-    scales_first: Optional[bool] = None  # Gluon kernel: the mainloop (see WGRAD_SCALES_FIRST; None = that)
 
 
 def default_config(gluon: bool = False) -> FP8WgradConfig:
@@ -148,8 +142,7 @@ def fp8_grouped_wgrad(g: QuantizedRows, x: QuantizedRows, schedule: torch.Tensor
         wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK, False)  # the shape checks
         return launch_wgrad(g, x, schedule, dw, block_n=cfg.block_n, block_k=cfg.block_k, group_n=cfg.group_n,
                             num_stages=cfg.num_stages, num_warps=cfg.num_warps, ctas_per_sm=cfg.ctas_per_sm,
-                            tma_store=cfg.tma_store, consumers=cfg.consumers,
-                            scales_first=WGRAD_SCALES_FIRST if cfg.scales_first is None else cfg.scales_first)
+                            tma_store=cfg.tma_store, consumers=cfg.consumers)
     cfg = config or default_config()
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, BLOCK,
