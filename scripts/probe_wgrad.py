@@ -11,8 +11,8 @@ with ``wgmma_gemm``'s promotion helpers replaced before the first launch:
   row scale 32 columns); the same dw where the scales are powers of two (the recipe's default).
 - ``row_scale_only``: no column scales (no shared-memory loads of them, one FFMA per element, as the
   plain GEMM).
-- ``add_only``: no scales at all (acc + part, one FADD per element), the row scales still loaded.
-  (ptxas drops the row scales' loads there: the mainloop of a GEMM summing its 128-token partial products.)
+- ``add_only``: no scales at all (acc + part, one FADD per element). The row scales' loads stay in the
+  source but ptxas drops them, unused: the mainloop of a GEMM summing its 128-token partial products.
 Timed at DSv3's w1 and w2 wgrads (T routed rows over E experts; w1: N = 4096, K = 7168; w2: N = 7168,
 K = 2048), and w1 with E = 2 (128 token blocks per tile instead of 8) to separate per-tile costs from
 per-block ones.
@@ -125,7 +125,7 @@ def run_variant(variant: str, shapes=tuple(SHAPES), once: bool = False, spin: fl
             out[name] = {"launches": launches, "seconds": spin}
             continue
         ms = do_bench_ms(fn)
-        # an exact fingerprint of dw's bits: the kernel options must match base's
+        # an exact fingerprint of dw's bits (``main`` compares it with base's: col_then_row must match)
         weights = (torch.arange(dw.numel(), device=dw.device, dtype=torch.int32) % 7 + 1).view_as(dw)
         bits = int(dw.view(torch.int16).to(torch.int32).mul_(weights).sum(dtype=torch.int64))
         out[name] = {"ms": round(ms, 4), "tflops": round(2.0 * routed * n * k / ms / 1e9, 1), "dw_bits": bits}
@@ -158,6 +158,7 @@ def main() -> None:
         for shape, r in res.items():
             if isinstance(r, dict) and shape in base:
                 r["vs_base"] = round(base[shape]["ms"] / r["ms"], 3)
+                r["dw_as_base"] = r["dw_bits"] == base[shape]["dw_bits"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_wgrad.json"), "w") as f:
