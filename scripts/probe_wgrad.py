@@ -15,9 +15,11 @@ with ``wgmma_gemm``'s promotion helpers replaced before the first launch:
   source but ptxas drops them, unused: the mainloop of a GEMM summing its 128-token partial products.
 Timed at DSv3's w1 and w2 wgrads (T routed rows over E experts; w1: N = 4096, K = 7168; w2: N = 7168,
 K = 2048), and w1 with E = 2 (128 token blocks per tile instead of 8) to separate per-tile costs from
-per-block ones.
+per-block ones. ``--ptxas triton,toolkit`` runs each variant once per ptxas (``TE_FUSED_MOE_PTXAS``,
+see ``te_fused_moe/backends/triton/ptxas.py``): the toolkit's interleaves the promotions' FFMA yield
+hints; dw must stay bitwise the same.
 
-  usage: python scripts/probe_wgrad.py [--out DIR]        (all variants, each in a subprocess)
+  usage: python scripts/probe_wgrad.py [--out DIR] [--variants A,B] [--ptxas S1,S2]   (each in a subprocess)
          python scripts/probe_wgrad.py --variant NAME [--shape S] [--once | --spin SECONDS]   (one, prints JSON)
 """
 
@@ -129,6 +131,10 @@ def run_variant(variant: str, shapes=tuple(SHAPES), once: bool = False, spin: fl
         weights = (torch.arange(dw.numel(), device=dw.device, dtype=torch.int32) % 7 + 1).view_as(dw)
         bits = int(dw.view(torch.int16).to(torch.int32).mul_(weights).sum(dtype=torch.int64))
         out[name] = {"ms": round(ms, 4), "tflops": round(2.0 * routed * n * k / ms / 1e9, 1), "dw_bits": bits}
+    from te_fused_moe.backends.triton.ptxas import in_use
+
+    used = in_use()
+    out["ptxas"] = f"{used.path} ({used.version})"
     return out
 
 
@@ -139,21 +145,39 @@ def main() -> None:
     p.add_argument("--once", action="store_true", help="with --variant: one untimed launch per shape (profiling)")
     p.add_argument("--spin", type=float, default=0.0,
                    help="with --variant: launch back to back for this many seconds per shape (nvidia-smi meanwhile)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="without --variant: these, comma-separated")
+    p.add_argument("--ptxas", default="triton",
+                   help="without --variant: TE_FUSED_MOE_PTXAS settings, comma-separated, each variant under each")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, (args.shape,) if args.shape else tuple(SHAPES), args.once,
                                      args.spin)))
         return
+    variants = [v for v in args.variants.split(",") if v]
+    settings = [s for s in args.ptxas.split(",") if s]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: expected names from {', '.join(VARIANTS)}, got {', '.join(unknown)}")
     results = {}
-    for variant in VARIANTS:
-        proc = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True)
-        if proc.returncode:
-            results[variant] = {"error": proc.stderr[-2000:]}
-        else:
-            results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(variant, json.dumps(results[variant])[:400], flush=True)
-    base = results.get("base", {})
+    for setting in settings:
+        for variant in variants:
+            key = first = variant if len(settings) == 1 else f"{variant}@{setting}"
+            for repeat in range(2, len(settings) + 1):  # a setting named twice: its variants run again
+                if key not in results:
+                    break
+                key = f"{first}#{repeat}"
+            # each child chooses its own ptxas: none inherits the TRITON_PTXAS_PATH a choice here exported
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_PTXAS_PATH"}
+            proc = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
+                                  env=dict(env, TE_FUSED_MOE_PTXAS=setting))
+            if proc.returncode:
+                results[key] = {"error": proc.stderr[-2000:]}
+            else:
+                results[key] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(key, json.dumps(results[key])[:400], flush=True)
+    # ratios and dw against base (under the first ptxas setting)
+    base = results.get("base" if len(settings) == 1 else f"base@{settings[0]}", {})
     for variant, res in results.items():
         for shape, r in res.items():
             if isinstance(r, dict) and shape in base:

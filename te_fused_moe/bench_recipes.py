@@ -322,6 +322,14 @@ def fp8_ceiling_tflops() -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
+def _ptxas_in_use() -> str:
+    """The ptxas Triton builds the kernels with (TE_FUSED_MOE_PTXAS chooses it)."""
+    from .backends.triton.ptxas import in_use
+
+    used = in_use()
+    return f"{used.path} ({used.version})"
+
+
 def median_of_rounds(rounds: List[Dict]) -> Dict:
     """One implementation's timings over interleaved rounds: the median of each timing field (``*_ms``;
     the TFLOP/s and fraction of peak recomputed from it), the other fields from the first round, and
@@ -601,7 +609,7 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
     fp8_peak = ceilings["fp8_gemm_tflops"] if ceilings["fp8_gemm_tflops"] == ceilings["fp8_gemm_tflops"] else 2 * peak
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "cuda": torch.version.cuda, "python": platform.python_version(), "ptxas": _ptxas_in_use(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipes": {name: dataclasses.asdict(RECIPES[name]()) | ({"fp8_format": "E4M3"} if name in FP8_RECIPES else {})
                     for name in recipes},
@@ -658,7 +666,8 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
 
 def summary_table(report: Dict) -> str:
     c = report["ceilings"]
-    lines = [f"{report['gpu']}  torch {report['torch']}  triton {report['triton']}  cuBLAS bf16 "
+    lines = [f"{report['gpu']}  torch {report['torch']}  triton {report['triton']}  "
+             f"ptxas {report.get('ptxas', '?')}  cuBLAS bf16 "
              f"{c['bf16_gemm_tflops']:.0f} / fp8 {c.get('fp8_gemm_tflops', float('nan')):.0f} TFLOP/s  "
              f"copy {c['d2d_copy_tbps']:.2f} TB/s   targets: {'; '.join(report['targets'])}"]
     for name, e in report["shapes"].items():

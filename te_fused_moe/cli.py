@@ -7,6 +7,7 @@ import argparse
 import importlib
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from typing import Dict, List, Optional
@@ -90,7 +91,22 @@ def env_report() -> Dict[str, object]:
         "activations": sorted(ACTIVATIONS),
         "support": _support_matrix(device),
         "fp8_block_kernels": _fp8_block_kernels(device),
+        "ptxas": _ptxas_report(),
     }
+
+
+def _ptxas_report() -> str:
+    """The ptxas the triton backend builds with (TE_FUSED_MOE_PTXAS chooses it)."""
+    try:
+        from .backends.triton import ptxas
+    except ImportError as exc:  # no triton, or a setting that cannot be met
+        return f"unavailable: {exc}"
+    try:
+        used = ptxas.in_use()
+    except Exception as exc:  # noqa: BLE001 - no ptxas at all: say so instead of failing `env`
+        return f"unavailable: {type(exc).__name__}: {exc}"
+    hints = "interleaves FFMA yield hints" if used.interleaves_ffma else "no FFMA interleaving (< 12.9)"
+    return f"{used.path} ({used.version}; {hints}; {ptxas.ENV}={os.environ.get(ptxas.ENV, 'triton')})"
 
 
 def _fp8_block_kernels(device: torch.device) -> Dict[str, str]:
@@ -114,6 +130,7 @@ def _print_env(report: Dict[str, object]) -> None:
         print(f"gpu                       none visible to torch (torch CUDA build: {gpu['torch_cuda']})")
     print(f"TE                        {json.dumps(report['transformer_engine'])}")
     print("fp8_block kernels         " + "; ".join(f"{k}: {v}" for k, v in report["fp8_block_kernels"].items()))
+    print(f"ptxas                     {report['ptxas']}")
     print(f"\nwhat backend='auto' runs on {report['device']} (bf16 params):")
     for row in report["support"]:
         print(f"  {row['recipe']:<10} {row['activation']:<15} -> {row['auto']}")

@@ -77,6 +77,8 @@ def analyze(k) -> dict:
                                capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([os.path.join(tools_dir(), "nvdisasm"), path], capture_output=True, text=True,
                               check=True).stdout.splitlines()
+        encoded = subprocess.run([os.path.join(tools_dir(), "cuobjdump"), "-sass", path], capture_output=True,
+                                 text=True, check=True).stdout
     out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
            "hgmma": sum("HGMMA" in l for l in sass), "shared": k.metadata.shared,
            "qgmma_grouped": sum("QGMMA" in l and "gsb0" not in l for l in sass),
@@ -89,7 +91,9 @@ def analyze(k) -> dict:
            # register reallocation between warp-specialised partitions: the largest setmaxnreg asked for
            "setmaxnreg_max": max([int(m.group(1), 16) for l in sass
                                   for m in [re.search(r"SETMAXREG\.\w+(?:\.\w+)*\s+(?:U?P\w+,\s*)?0x([0-9a-f]+)", l)]
-                                  if m] or [0])}
+                                  if m] or [0]),
+           # FP32 FMAs, and those that carry the yield hint (see scheduling_hints)
+           **scheduling_hints(encoded)}
     # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
     mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
     if mma:
@@ -105,14 +109,33 @@ def analyze(k) -> dict:
     return out
 
 
-def report_in_subprocess(module: str, timeout: int = 600) -> dict:
+def scheduling_hints(cuobjdump_sass: str) -> dict:
+    """Counts the FFMAs of ``cuobjdump -sass`` output and those whose yield hint is set. Each sm_90
+    instruction is two 64-bit words; the high word's bits 41-63 are the scheduling controls ptxas sets
+    (stall cycles, yield, dependency barriers, operand reuse). Bit 45 clear lets the warp scheduler
+    switch warps after the instruction: ptxas >= 12.9 clears it on every other FFMA of a long run so
+    that another warp (the one issuing the next wgmma) gets issue slots while one promotes."""
+    ffma = ffma_yield = 0
+    lines = cuobjdump_sass.splitlines()
+    for first, second in zip(lines, lines[1:]):
+        if not re.search(r"\bFFMA\b", first):
+            continue
+        high = re.search(r"/\*\s*(0x[0-9a-f]{16})\s*\*/\s*$", second)
+        if high is None:
+            continue
+        ffma += 1
+        ffma_yield += ((int(high.group(1), 16) >> 45) & 1) == 0
+    return {"ffma": ffma, "ffma_yield": ffma_yield}
+
+
+def report_in_subprocess(module: str, timeout: int = 600, env: dict | None = None) -> dict:
     """``module.sm90_build_report()`` run in a fresh process with the interpreter off (a process
     that imported the Triton backend under ``TRITON_INTERPRET=1`` cannot compile for the GPU)."""
     import json
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    env = dict(os.environ, TRITON_INTERPRET="0", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])
     code = f"import json, {module} as t; print('SM90' + json.dumps(t.sm90_build_report()))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,

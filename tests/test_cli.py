@@ -25,6 +25,12 @@ def test_env_json_reports_every_recipe_and_the_auto_choice(capsys):
             assert isinstance(row["backends"][name], str) and row["backends"][name]
     if not torch.cuda.is_available():
         assert all(row["auto"] == "reference" for row in report["support"])
+    # the ptxas Triton builds with, and whether it interleaves the promotions' FFMA yield hints
+    from te_fused_moe.backends.triton import ptxas
+
+    used = ptxas.in_use()
+    assert report["ptxas"].startswith(f"{used.path} ({used.version}; "), report["ptxas"]
+    assert ("interleaves FFMA yield hints" in report["ptxas"]) == used.interleaves_ffma, report["ptxas"]
 
 
 def test_env_text_names_gpu_and_reasons(capsys):

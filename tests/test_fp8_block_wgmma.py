@@ -12,9 +12,13 @@ an in-flight accumulator, ptxas serialises every wgmma and gives each its own gr
 that leave one group in flight (the promotion under the next wgmma); shared memory within the H200's
 227 KB; the consumers' ``setmaxnreg``: the producer warp's registers must reach them; the wgrad
 producer's proxy fence before each TMA refill (its consumers read the column scales with ordinary loads).
+The same builds with the CUDA toolkit's ptxas (``TE_FUSED_MOE_PTXAS=toolkit``) keep all of that and
+interleave yield hints into the promotions' FFMAs, which Triton's own ptxas does not.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -87,12 +91,7 @@ def _most_registers_asked(name: str, consumers: int) -> int:
     return 232 if name == "wgrad_64x128" else 256 if consumers == 2 else 240
 
 
-def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
-    from sm90_build import have_tools, report_in_subprocess, tools_dir
-
-    if not have_tools():
-        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
-    report = report_in_subprocess("test_fp8_block_wgmma")
+def _check_build_report(report: dict) -> None:
     plain = {f"{n}_{c}" for n in ("fc2_e4m3_bias", "dgrad_e5m2", "acc_fp32", "fc2_no_tma") for c in (1, 2)}
     assert set(report) == plain | {"wgrad_default", "wgrad_1", "wgrad_1_tma", "wgrad_2", "wgrad_2_tma",
                                    "wgrad_64x128"}
@@ -116,6 +115,37 @@ def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
     assert report["fc2_no_tma_1"]["fence_async"] == 1, report["fc2_no_tma_1"]
     for name in ("wgrad_1", "wgrad_2"):
         assert report[name]["fence_async"] == 2, (name, report[name])
+
+
+def test_builds_for_sm90a_with_promotion_under_the_next_wgmma():
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
+
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
+    report = report_in_subprocess("test_fp8_block_wgmma", env={"TE_FUSED_MOE_PTXAS": "triton"})
+    _check_build_report(report)
+    # Triton's own ptxas (12.8) leaves the yield hint set on the promotions' FFMAs: no warp switch
+    # inside a promotion (the reason for TE_FUSED_MOE_PTXAS, tests/test_ptxas.py)
+    for name, r in report.items():
+        assert r["ffma"] >= 320 and r["ffma_yield"] <= 0.02 * r["ffma"], (name, r)
+
+
+def test_builds_with_the_toolkit_ptxas_keep_their_shape_and_interleave_the_promotion():
+    """TE_FUSED_MOE_PTXAS=toolkit (ptxas >= 12.9): the same build properties, and about every other
+    promotion FFMA may hand the issue slot to another warp."""
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
+
+    from te_fused_moe.backends.triton import ptxas
+
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
+    found = ptxas.toolkit(os.environ)
+    if found is None or not found.interleaves_ffma:
+        pytest.skip(f"no CUDA toolkit ptxas >= 12.9 on this machine (found {found}): nothing to build with")
+    report = report_in_subprocess("test_fp8_block_wgmma", env={"TE_FUSED_MOE_PTXAS": "toolkit"})
+    _check_build_report(report)
+    for name, r in report.items():
+        assert r["ffma"] >= 320 and 0.45 * r["ffma"] <= r["ffma_yield"] <= 0.6 * r["ffma"], (name, r)
 
 
 def _operands(device="cpu"):

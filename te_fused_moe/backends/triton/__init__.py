@@ -2,12 +2,13 @@
 
 Modules: ``schedule`` (device-side tile schedule), ``act_math`` (activation math in Triton),
 ``grouped_gemm`` (FC1/FC2/dgrad kernels with epilogues), ``wgrad`` (variable-K grouped GEMM with
-fused bias gradients), ``autograd`` (the ``torch.autograd.Function``). The block-scaled FP8 recipes
-share ``block_scaled`` (their autograd Function) and ``block_scaled_launch`` (host-side launch
-helpers); their kernels live in ``fp8_block/`` (``Float8BlockScaling``: FP8 wgmma with per-128-block
-scale promotion) and ``mxfp8/`` (``MXFP8BlockScaling``: operands expanded exactly to BF16 for a BF16
-wgmma), both with quantizing epilogues; ``nvfp4/`` (``NVFP4BlockScaling``: E2M1 operands expanded
-exactly to BF16, per-expert tensor scales from separate amax passes) has its own autograd Function.
+fused bias gradients), ``autograd`` (the ``torch.autograd.Function``), ``ptxas`` (which ptxas builds
+the kernels: ``TE_FUSED_MOE_PTXAS``). The block-scaled FP8 recipes share ``block_scaled`` (their
+autograd Function) and ``block_scaled_launch`` (host-side launch helpers); their kernels live in
+``fp8_block/`` (``Float8BlockScaling``: FP8 wgmma with per-128-block scale promotion) and ``mxfp8/``
+(``MXFP8BlockScaling``: operands expanded exactly to BF16 for a BF16 wgmma), both with quantizing
+epilogues; ``nvfp4/`` (``NVFP4BlockScaling``: E2M1 operands expanded exactly to BF16, per-expert
+tensor scales from separate amax passes) has its own autograd Function.
 
 On CPU tensors it runs only under Triton's interpreter (``TRITON_INTERPRET=1``, used by the tests).
 """
@@ -129,3 +130,10 @@ def _block_scaled_kernels(recipe):
 
 
 BACKEND = TritonBackend()
+
+# The ptxas choice (ptxas.py) must precede every Triton compile of the process: this package's kernel
+# modules all import through here. Triton is imported only when a choice is asked for.
+if os.environ.get("TE_FUSED_MOE_PTXAS", "triton").strip() not in ("", "triton") and _triton_import_error() is None:
+    from . import ptxas as _ptxas
+
+    _ptxas.apply()
