@@ -6,7 +6,8 @@
 #          [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
-# own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton).
+# own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
+# also times its factor_by_fma variant (the promotion as FFMAs only, so that the yields cover all of it).
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -37,8 +38,8 @@ for s in $STEPS; do
     wgrad_probe) step probe_wgrad "${PROBE_TIMEOUT:-240}" python scripts/probe_wgrad.py --out "$OUT/probe_wgrad";;
     ptxas_tests) TE_FUSED_MOE_PTXAS=toolkit step pytest_ptxas_toolkit "${FP8_TESTS_TIMEOUT:-270}" python -m pytest \
                    -m gpu -q -p no:cacheprovider tests/gpu/test_triton_fp8_block_gpu.py tests/gpu/test_fp8_block_wgmma_gpu.py;;
-    ptxas_probe) step probe_wgrad_ptxas "${PROBE_TIMEOUT:-240}" python scripts/probe_wgrad.py --variants base \
-                   --ptxas triton,toolkit,triton,toolkit --out "$OUT/probe_wgrad_ptxas";;
+    ptxas_probe) step probe_wgrad_ptxas "${PROBE_TIMEOUT:-300}" python scripts/probe_wgrad.py \
+                   --variants base,factor_by_fma --ptxas triton,toolkit,triton,toolkit --out "$OUT/probe_wgrad_ptxas";;
     ptxas_bench) for i in 1 2; do for p in toolkit triton; do
                    TE_FUSED_MOE_PTXAS=$p step "recipes_fp8_block_${p}_$i" "${FP8_BENCH_TIMEOUT:-170}" python \
                      scripts/bench_recipes.py --recipes fp8_block --shapes dsv3-e32 --rounds "${ROUNDS:-3}" \

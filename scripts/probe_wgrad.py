@@ -9,6 +9,12 @@ with ``wgmma_gemm``'s promotion helpers replaced before the first launch:
 - ``col_then_row``: ``base`` with each partial product scaled by its column scales first, then FMA'd
   with the row scales (as many FP32 ops; fewer register reads: each column scale serves two rows, each
   row scale 32 columns); the same dw where the scales are powers of two (the recipe's default).
+- ``factor_by_fma``: ``base`` with each element's factor (row scale x column scale) formed by an FFMA
+  adding -0.0 instead of an FMUL: the same bits (``a * b + -0.0 == a * b`` in every case, signed zeros
+  included), so a promotion is one run of 128 FFMAs per thread per block instead of 64 FMULs + 64 FFMAs.
+  ptxas >= 12.9 interleaves yield hints into FFMA runs only (offline sm_90a, CUDA 13.0: 339 of the
+  default wgrad's 640 FFMAs yield, none of its 640 FMULs): under ``--ptxas toolkit`` this variant lets
+  the scheduler switch warps over the whole promotion, not half of it.
 - ``row_scale_only``: no column scales (no shared-memory loads of them, one FFMA per element, as the
   plain GEMM).
 - ``add_only``: no scales at all (acc + part, one FADD per element). The row scales' loads stay in the
@@ -36,7 +42,7 @@ from triton.experimental.gluon import language as gl
 
 from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
-VARIANTS = ("base", "col_then_row", "row_scale_only", "add_only")
+VARIANTS = ("base", "col_then_row", "factor_by_fma", "row_scale_only", "add_only")
 SHAPES = {"dsv3_w1_e32": (32768, 32, 4096, 7168), "dsv3_w2_e32": (32768, 32, 7168, 2048),
           "w1_e2": (32768, 2, 4096, 7168)}
 
@@ -63,6 +69,15 @@ def promote_col_then_row(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 
 
 @gluon.jit
+def promote_factor_by_fma(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
+    rows, cols = gl.broadcast(row_scale[:, None], col_scale)
+    factor = gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, 0f80000000;", "=r,r,r", [rows, cols],
+                                       dtype=gl.float32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc], dtype=gl.float32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
 def promote_by_add(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
     return gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [part, acc], dtype=gl.float32,
                                      is_pure=False, pack=1)
@@ -72,8 +87,8 @@ def _patch(variant: str) -> None:
     """Replaces the promotion helpers of ``wgmma_gemm`` that the wgrad's consumers call."""
     if variant == "base":
         return
-    if variant == "col_then_row":
-        W._promote = promote_col_then_row
+    if variant in ("col_then_row", "factor_by_fma"):
+        W._promote = promote_col_then_row if variant == "col_then_row" else promote_factor_by_fma
         return
     W._retire = retire_without_col_scales
     W._promote = promote_by_row if variant == "row_scale_only" else promote_by_add
