@@ -46,7 +46,8 @@ def quantized_expert_mlp_fp64(x, tokens_per_expert, w1, w2, recipe, activation="
                               dy=None) -> Dict[str, Optional[torch.Tensor]]:
     """Like ``moe_reference.expert_mlp_fp64`` with the recipe's fake quantization on each GEMM operand.
 
-    Returns ``y`` and, with ``dy``, the gradients ``x, w1, w2, b1, b2, probs`` (FP64, on CPU).
+    Returns ``y`` and, with ``dy``, the gradients ``x, w1, w2, b1, b2, probs`` (FP64, on CPU) and, with
+    ``probs`` too, ``probs_scale`` (each row's sum of ``|da * act(h)|``, as ``expert_mlp_fp64``).
     """
     d = lambda t: None if t is None else t.detach().double().cpu()
     x, w1, w2, b1, b2, probs = map(d, (x, w1, w2, b1, b2, probs))
@@ -55,7 +56,8 @@ def quantized_expert_mlp_fp64(x, tokens_per_expert, w1, w2, recipe, activation="
     y = torch.zeros_like(x)
     grads = {"x": torch.zeros_like(x), "w1": torch.zeros_like(w1), "w2": torch.zeros_like(w2),
              "b1": None if b1 is None else torch.zeros_like(b1), "b2": None if b2 is None else torch.zeros_like(b2),
-             "probs": None if probs is None else torch.zeros_like(probs)}
+             "probs": None if probs is None else torch.zeros_like(probs),
+             "probs_scale": None if probs is None else torch.zeros_like(probs)}
     start = 0
     for e, n in enumerate(counts):
         rows = slice(start, start + n)
@@ -80,6 +82,7 @@ def quantized_expert_mlp_fp64(x, tokens_per_expert, w1, w2, recipe, activation="
         da = _dgrad(dye, w2[e], recipe)
         if probs is not None:
             grads["probs"][rows] = (da * act.detach()).sum(1)
+            grads["probs_scale"][rows] = (da.abs() * act.detach().abs()).sum(1)
             da = da * probs[rows, None]
         (dh,) = torch.autograd.grad(act, h, da)
         if b1 is not None:

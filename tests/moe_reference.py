@@ -38,9 +38,12 @@ def expert_mlp_fp64(x, tokens_per_expert, w1, w2, activation="swiglu", b1=None, 
                     limit=GPT_OSS_LIMIT, dy=None) -> Dict[str, Optional[torch.Tensor]]:
     """FP64 forward (and backward when ``dy`` is given) by a Python loop over experts.
 
-    Returns a dict with ``y`` and, with ``dy``, the gradients ``x, w1, w2, b1, b2, probs``.
+    Returns a dict with ``y`` and, with ``dy``, the gradients ``x, w1, w2, b1, b2, probs``; with ``dy``
+    and ``probs`` also ``probs_scale``, each row's sum of ``|da * act(h)|`` (what the probs gradient's
+    rounding error scales with: that gradient is a sum over F terms that may cancel).
     """
     leaves = {}
+    probs_scale = []
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2), ("probs", probs)):
         leaves[name] = None if t is None else t.detach().double().cpu().requires_grad_(dy is not None)
     counts_list = [int(c) for c in tokens_per_expert.cpu().tolist()]
@@ -53,6 +56,9 @@ def expert_mlp_fp64(x, tokens_per_expert, w1, w2, activation="swiglu", b1=None, 
             h = h + leaves["b1"][e]
         a = activation_fp64(activation, h, alpha, limit)
         if leaves["probs"] is not None:
+            if dy is not None:
+                da = dy[start:start + n].detach().double().cpu() @ leaves["w2"][e].detach()
+                probs_scale.append((da.abs() * a.detach().abs()).sum(1))
             a = a * leaves["probs"][start:start + n, None]
         ye = a @ leaves["w2"][e].T
         if leaves["b2"] is not None:
@@ -67,7 +73,17 @@ def expert_mlp_fp64(x, tokens_per_expert, w1, w2, activation="swiglu", b1=None, 
         y.backward(dy.detach().double().cpu())
         for name, t in leaves.items():
             out[name] = None if t is None else (t.grad if t.grad is not None else torch.zeros_like(t))
+        if probs is not None:
+            out["probs_scale"] = torch.cat(probs_scale + [leaves["x"].new_zeros(pad)])
     return out
+
+
+def rel_err_to(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> float:
+    """||out - ref|| / ||scale||: the error relative to the magnitudes a result was summed from (a sum
+    that cancels has a small ||ref|| but the rounding error of its terms)."""
+    num = (out.detach().double().cpu() - ref.detach().double().cpu()).norm().item()
+    denom = scale.detach().double().cpu().norm().item()
+    return num if denom == 0.0 else num / denom
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

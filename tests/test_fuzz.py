@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import te_fused_moe
 from fake_quant_reference import quantized_expert_mlp_fp64
-from moe_reference import expert_mlp_fp64, random_problem, rel_err, run_in_triton_interpreter
+from moe_reference import expert_mlp_fp64, random_problem, rel_err, rel_err_to, run_in_triton_interpreter
 from te_fused_moe import ActivationConfig, as_recipe
 from te_fused_moe.activations import ACTIVATIONS
 from te_fused_moe.backends import explain
@@ -87,11 +87,16 @@ def run_backend(problem, activation, recipe, backend, seed):
 
 
 def compare(label, y, grads, ref, tol):
+    """Each output's relative error within ``tol``; the probs gradient's relative to the magnitudes it
+    is summed from (``probs_scale``): with T = 1 its one sum over F terms can cancel to near zero, and
+    its FP32 rounding is then large against the result, not against the terms (seen: 7e-5 vs a 2e-5
+    bound, reference backend, FP32, T = 1, gpt_oss_swiglu)."""
     err = rel_err(y, ref["y"])
     assert err < tol, f"{label} y: rel err {err:.3g} >= {tol}"
     for name, grad in grads.items():
         assert grad is not None, f"{label} d{name}: missing"
-        err = rel_err(grad, ref[name])
+        scale = ref.get(f"{name}_scale")
+        err = rel_err(grad, ref[name]) if scale is None else rel_err_to(grad, ref[name], scale)
         assert err < tol, f"{label} d{name}: rel err {err:.3g} >= {tol}"
 
 
