@@ -31,6 +31,18 @@ def _silu_and_grad(g):
 
 
 @triton.jit
+def load_gate_up(h_ptrs, up_offset, mask, GATED: tl.constexpr):
+    """(gate, up) in FP32 from the pointers of the gate values and the up half ``up_offset`` elements on
+    (``up`` is the gate again for non-gated activations, which read no up half)."""
+    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_ptrs + up_offset, mask=mask, other=0.0).to(tl.float32)
+    else:
+        u = g
+    return g, u
+
+
+@triton.jit
 def act_forward(g, u, alpha, limit, ACT: tl.constexpr):
     """Activation value (before the router prob)."""
     if ACT == 0:

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_math import ACT_IDS, act_backward, act_forward, to_output
+from .act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
 from .schedule import build_schedule, max_m_tiles, swizzle
 
 MODE_PLAIN, MODE_ACT_FWD, MODE_ACT_BWD = 0, 1, 2
@@ -358,11 +358,7 @@ def dact_epilogue(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset,
     """dh = d act(h) * (da * p) for one block of columns; returns the row sums of da * act(h)."""
     mask = row_ok[:, None] & (cols < N)[None, :]
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        u = tl.load(h_ptrs + h_up_offset, mask=mask, other=0.0).to(tl.float32)
-    else:
-        u = g
+    g, u = load_gate_up(h_ptrs, h_up_offset, mask, GATED)
     dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
     c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, to_output(dg, c_ptr.dtype.element_ty, UPCAST), mask=mask)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..act_math import ACT_IDS, act_backward, act_forward, to_output
+from ..act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_FC1, MODE_PLAIN, kernel_operands, operand_sources,
                                    quantized_copies, separate_epilogue, tma_allowed)
 from ..grouped_gemm import interpreting, register_cap
@@ -198,11 +198,7 @@ def _dact_half(da, row0, row_ok, col0, N, p, h_ptr, stride_hm, h_up_offset, alph
     cols = col0 + tl.arange(0, WIDTH)
     mask = row_ok[:, None] & (cols < N)[None, :]
     h_ptrs = row_block(h_ptr, row0, stride_hm, col0, 128) + tl.arange(0, WIDTH)[None, :]
-    g = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    if GATED:
-        u = tl.load(h_ptrs + h_up_offset, mask=mask, other=0.0).to(tl.float32)
-    else:
-        u = g
+    g, u = load_gate_up(h_ptrs, h_up_offset, mask, GATED)
     dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
     part = tl.sum(tl.where(mask, da * value, 0.0), axis=1)
     dg = tl.where(is_padding, 0.0, dg)
@@ -370,11 +366,7 @@ def fp8_grouped_gemm_kernel(
                                         value_for_inf, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, POW2)
         else:
             h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-            g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-            if GATED:
-                u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
-            else:
-                u = g
+            g, u = load_gate_up(h_ptrs, h_up_offset, out_mask, GATED)
             dg, du, value = act_backward(g, u, acc * p[:, None], alpha, limit, ACT)
             if WRITE_DPROB:
                 part = tl.sum(tl.where(out_mask, acc * value, 0.0), axis=1)

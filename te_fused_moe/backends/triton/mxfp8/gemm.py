@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..act_math import ACT_IDS, act_backward, act_forward, to_output
+from ..act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_PLAIN, kernel_operands, operand_sources,
                                    quantized_copies, separate_epilogue, tma_allowed)
 from ..grouped_gemm import interpreting
@@ -178,11 +178,7 @@ def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_h
     col_ok = cols < N
     out_mask = row_ok[:, None] & col_ok[None, :]
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
-    g = tl.load(h_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    if GATED:
-        u = tl.load(h_ptrs + h_up_offset, mask=out_mask, other=0.0).to(tl.float32)
-    else:
-        u = g
+    g, u = load_gate_up(h_ptrs, h_up_offset, out_mask, GATED)
     dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
     part = tl.sum(tl.where(out_mask, da * value, 0.0), axis=1)
     if WRITE_DBIAS:
