@@ -75,6 +75,41 @@ def compare_with_reference(p, recipe, activation, dy, frozen=(), alloc=torch.emp
     return res
 
 
+# hidden / FFN sizes that are not multiples of the 128-wide tile (the zero-padded path), and one that is
+DISPATCH_SHAPES = {"hidden": (96, 128), "ffn": (128, 160), "both": (200, 72), "aligned": (128, 128)}
+
+
+def check_dispatch(recipe, device: str) -> dict:
+    """``fused_moe_mlp(backend='triton')`` with a block-scaled FP8 recipe at :data:`DISPATCH_SHAPES`:
+    which autograd Function ran (the zero-padded one where a size is not a tile multiple), its output's
+    relative error vs ``backend='reference'`` (BF16 ``h``, the default), whether ``backend='auto'``
+    gave the same bits, and the recipe named by the Function's kernels."""
+    from moe_reference import random_problem, rel_err
+
+    from te_fused_moe import fused_moe_mlp
+
+    out = {}
+    for name, (hidden, ffn) in DISPATCH_SHAPES.items():
+        p = random_problem(64, hidden, ffn, 2, activation="swiglu", dtype=torch.bfloat16, device=device, seed=3)
+        run = lambda backend, w1: fused_moe_mlp(p["x"], p["tokens_per_expert"], w1, p["w2"], recipe=recipe,
+                                                backend=backend)
+        y = run("triton", p["w1"].clone().requires_grad_(True))
+        out[name] = {"node": type(y.grad_fn).__name__, "kernels": y.grad_fn.kernels.recipe_name,
+                     "err": rel_err(y.detach(), run("reference", p["w1"])),
+                     "auto_same": bool(torch.equal(y.detach(), run("auto", p["w1"]))), "shape": list(y.shape)}
+    return out
+
+
+def assert_dispatch(d: dict, recipe_name: str, bound: float) -> None:
+    """:func:`check_dispatch`'s result: tile multiples on the tile-aligned Function, other sizes on the
+    zero-padded one, each within ``bound`` of the reference emulation and what ``auto`` runs too."""
+    for name, (hidden, _) in DISPATCH_SHAPES.items():
+        r = d[name]
+        expected = "BlockScaledExpertMLPBackward" if name == "aligned" else "PaddedExpertMLPBackward"
+        assert r["node"] == expected and r["kernels"] == recipe_name, (name, r)
+        assert r["shape"] == [64, hidden] and r["err"] <= bound and r["auto_same"], (name, r)
+
+
 @contextlib.contextmanager
 def no_host_syncs():
     """CUDA sync-debug mode 'error' inside: any host read of device data raises."""

@@ -81,11 +81,11 @@ class TritonBackend(Backend):
         return Availability(True)
 
     def supports_args(self, args: ExpertMLPArgs) -> Availability:
-        """Shape limits of a call (after :meth:`supports`): the FP8 block and MXFP8 paths need H and F
-        to be multiples of 128."""
+        """Shape limits of a call (after :meth:`supports`): the NVFP4 path needs H and F to be multiples
+        of 128 (the FP8 block and MXFP8 paths run other sizes zero-padded)."""
         kernels = _block_scaled_kernels(args.recipe)
         if kernels is not None:
-            reason = kernels.check_shapes(args.hidden_size, args.ffn_hidden_size)
+            reason = kernels.unsupported_shapes(args.hidden_size, args.ffn_hidden_size)
             if reason is not None:
                 return Availability(False, reason)
         return Availability(True)

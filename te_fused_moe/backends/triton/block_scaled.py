@@ -77,20 +77,30 @@ class RecipeKernels:
     operand_reader: Callable = lambda: as_quantized
 
     def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
-        """None if the kernels take these sizes (whole tiles along every reduction), else the reason."""
-        for arg, what, size in (("w1", "hidden", hidden), ("w2", "FFN", ffn)):
-            if size % self.tile:
-                return (f"{arg}: backend='triton' with {self.recipe_name} needs the {what} size to be a multiple "
-                        f"of {self.tile}, got {size}; use backend='reference'")
+        """None if the kernels take these sizes as they are (whole tiles along every reduction), else why
+        not. Other sizes run zero-padded (:mod:`.padded`)."""
+        return tile_multiples(self.recipe_name, self.tile, hidden, ffn)
+
+    def unsupported_shapes(self, hidden: int, ffn: int) -> Optional[str]:
+        """None: every hidden / FFN size runs, tile multiples as they are, others zero-padded."""
         return None
 
     def expert_mlp(self, args) -> torch.Tensor:
         """Entry from the backend (``ExpertMLPArgs``)."""
-        reason = self.check_shapes(args.hidden_size, args.ffn_hidden_size)
-        if reason is not None:
-            raise ValueError(reason)
-        return BlockScaledExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2,
-                                          args.probs, args.activation, self.specs_of(args.recipe), self)
+        mlp = BlockScaledExpertMLP
+        if self.check_shapes(args.hidden_size, args.ffn_hidden_size) is not None:
+            from .padded import PaddedExpertMLP as mlp
+        return mlp.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
+                         args.activation, self.specs_of(args.recipe), self)
+
+
+def tile_multiples(recipe_name: str, tile: int, hidden: int, ffn: int) -> Optional[str]:
+    """None if the hidden and FFN sizes are multiples of ``tile``, else which is not (naming its weight)."""
+    for arg, what, size in (("w1", "hidden", hidden), ("w2", "FFN", ffn)):
+        if size % tile:
+            return (f"{arg}: backend='triton' with {recipe_name} needs the {what} size to be a multiple "
+                    f"of {tile}, got {size}; use backend='reference'")
+    return None
 
 
 def as_quantized(data: torch.Tensor, scale: torch.Tensor, columnwise: bool = False) -> torch.Tensor:
@@ -101,6 +111,30 @@ def as_quantized(data: torch.Tensor, scale: torch.Tensor, columnwise: bool = Fal
 def new_buffer(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """A kernel buffer from ``ALLOC`` (read at call time: tests poison buffers) on ``like``'s device."""
     return ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+def mlp_sizes(x_shape, w1: torch.Tensor, w2: torch.Tensor) -> tuple:
+    """``(T, H, E, n1, F)`` of an expert-MLP call: x ``[T, H]``, w1 ``[E, n1, H]``, w2 ``[E, H, F]``."""
+    return x_shape[0], x_shape[1], w1.shape[0], w1.shape[1], w2.shape[2]
+
+
+def backward_needs(need, probs) -> tuple:
+    """``(want_dprob, need_dact)`` of a backward whose inputs' ``needs_input_grad`` is ``need`` (x, counts,
+    w1, w2, b1, b2, probs, ...): the probs gradient, and whether the dGLU runs at all (for dx, dw1, db1
+    or dprob)."""
+    want_dprob = probs is not None and need[6]
+    return want_dprob, need[0] or need[2] or need[4] or want_dprob
+
+
+def keep_columnwise(ctx, kernels: "RecipeKernels", xq, aq) -> None:
+    """Keeps for backward only the columnwise copies of ``x`` and ``a`` (the wgrads' operands)."""
+    ctx.x_cols = kernels.rows(data_t=xq.data_t, scale_t=xq.scale_t)
+    ctx.a_cols = kernels.rows(data_t=aq.data_t, scale_t=aq.scale_t)
+
+
+def wgrad_operand(kernels: "RecipeKernels", read: Callable) -> Callable:
+    """A columnwise copy as the wgrad reads it: through the forward's operand reader."""
+    return lambda q: kernels.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
 
 
 def empty_input_grads(need, x, w1, w2, probs) -> tuple:
@@ -118,9 +152,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         spec, grad_spec = specs  # x, a and weights; gradients (E5M2 under Format.HYBRID)
         k = kernels
         need = ctx.needs_input_grad
-        num_rows, hidden = x.shape
-        num_experts, n1, _ = w1.shape
-        ffn = w2.shape[2]
+        num_rows, hidden, num_experts, n1, ffn = mlp_sizes(x.shape, w1, w2)
         act = activation.launch_args
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec, ctx.kernels = act, grad_spec, k
@@ -145,8 +177,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         ctx.save_for_backward(w1, w2, probs, h)
         ctx.x_shape = x.shape
         ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
-        ctx.x_cols = k.rows(data_t=xq.data_t, scale_t=xq.scale_t)
-        ctx.a_cols = k.rows(data_t=aq.data_t, scale_t=aq.scale_t)
+        keep_columnwise(ctx, k, xq, aq)
         return y
 
     @staticmethod
@@ -156,16 +187,13 @@ class BlockScaledExpertMLP(torch.autograd.Function):
             return empty_input_grads(need, *ctx.saved_tensors)
         w1, w2, probs, h = ctx.saved_tensors
         k, read = ctx.kernels, ctx.read
-        cols = lambda q: k.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)  # wgrad operands
+        cols = wgrad_operand(k, read)
         like = w1  # new buffers like x: same dtype and device (validated)
         spec, schedule = ctx.grad_spec, ctx.schedule
         dy = dy.contiguous()
-        num_rows, hidden = ctx.x_shape
-        num_experts, n1, _ = w1.shape
-        ffn = w2.shape[2]
+        num_rows, hidden, num_experts, n1, ffn = mlp_sizes(ctx.x_shape, w1, w2)
         m_tiles = max_m_tiles(num_rows, num_experts, k.tile)
-        want_dprob = probs is not None and need[6]
-        need_dact = need[0] or need[2] or need[4] or want_dprob
+        want_dprob, need_dact = backward_needs(need, probs)
         dx = dw1 = dw2 = db1 = db2 = dprobs = None
 
         # the dy quantize pass also writes per-tile column sums of dy: db2 without another read of dy

@@ -298,8 +298,11 @@ class WeightCache:
         """Treat every cached copy as stale (cheap: entries are re-quantized on their next use)."""
         self.generation += 1
 
-    def get(self, w: torch.Tensor, spec, transposed: bool = True):
-        key = (self.generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed)
+    def get(self, w: torch.Tensor, spec, transposed: bool = True, padded_to: Optional[tuple] = None):
+        """``w`` quantized with ``spec``; ``padded_to`` (a shape, each size >= ``w``'s): quantize ``w`` in
+        the leading corner of zeros of that shape instead (sizes the kernels cannot tile; the blocks of
+        the real elements stay where they are on ``w``, and zeros change no block's amax)."""
+        key = (self.generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, spec, transposed, padded_to)
         capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:
             entry = self._entries.get(w)
@@ -308,7 +311,9 @@ class WeightCache:
                 return entry[1]
         self.misses += 1
         with torch.no_grad():
-            q = self._quantize(w.detach(), spec, transposed=transposed)
+            from ..padded import zero_padded
+
+            q = self._quantize(zero_padded(w.detach(), padded_to or w.shape), spec, transposed=transposed)
         if not capturing:
             self._entries[w] = (key, q)
         return q

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from .. import block_scaled
-from ..block_scaled import empty_input_grads, new_buffer
+from ..block_scaled import backward_needs, empty_input_grads, mlp_sizes, new_buffer
 from ..fp8_block.wgrad import tile_sums_to_experts
 from ..schedule import build_schedule, max_m_tiles
 from . import gemm
@@ -76,9 +76,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
     def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs):
         spec, grad_spec, weight_spec = specs
         need = ctx.needs_input_grad
-        num_rows, hidden = x.shape
-        num_experts, n1, _ = w1.shape
-        ffn = w2.shape[2]
+        num_rows, hidden, num_experts, n1, ffn = mlp_sizes(x.shape, w1, w2)
         act = activation.launch_args
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec = act, grad_spec
@@ -113,12 +111,9 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         w1, w2, probs, h = ctx.saved_tensors
         spec, schedule, alloc, expand = ctx.grad_spec, ctx.schedule, block_scaled.ALLOC, ctx.expand
         dy = dy.contiguous()
-        num_rows, hidden = ctx.x_shape
-        num_experts, n1, _ = w1.shape
-        ffn = w2.shape[2]
+        num_rows, hidden, num_experts, n1, ffn = mlp_sizes(ctx.x_shape, w1, w2)
         m_tiles = max_m_tiles(num_rows, num_experts, TILE)
-        want_dprob = probs is not None and need[6]
-        need_dact = need[0] or need[2] or need[4] or want_dprob
+        want_dprob, need_dact = backward_needs(need, probs)
         dx = dw1 = dw2 = db1 = db2 = dprobs = dhq = None
 
         db2_parts = new_buffer((m_tiles, hidden), w1, torch.float32) if need[5] else None
@@ -170,7 +165,11 @@ class NVFP4Kernels:
         return None  # every NVFP4BlockScaling option (RHT, stochastic rounding, 1D/2D weights) is implemented
 
     def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
-        return block_scaled.RecipeKernels.check_shapes(self, hidden, ffn)
+        return block_scaled.tile_multiples(self.recipe_name, self.tile, hidden, ffn)
+
+    def unsupported_shapes(self, hidden: int, ffn: int) -> Optional[str]:
+        """NVFP4 runs tile multiples only (no zero-padded path yet)."""
+        return self.check_shapes(hidden, ffn)
 
     @staticmethod
     def expert_mlp(args) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""The expert MLP of a block-scaled FP8 recipe (FP8 block, MXFP8) whose hidden or FFN size is not a
+multiple of the recipe's 128-wide tile: GPT-OSS's 2880, for one. The GEMM kernels tile K and N by
+128 (scale blocks, TMA boxes, one weight scale per 128x128 tile), so this path runs them on
+zero-padded operands and returns the unpadded part of each result:
+
+- Weights are padded at the end of each dimension only: ``w1 [E, n1, H]`` to ``[E, n1', H']``,
+  ``w2 [E, H, F]`` to ``[E, H', F']`` (' = rounded up to the tile). Every quantization block then sits
+  where TE's quantizer puts it on the unpadded weight (a 128x128 block that straddles a gated w1's
+  gate / up boundary stays one block), and zeros never change a block's amax: the real elements'
+  bytes and scales are TE's, and the padded copy is quantized once per optimizer step (the recipe's
+  weight cache, ``padded_to``).
+- ``x`` and ``dy`` are copied into zero-padded ``[T, H']`` buffers before their quantize passes; the
+  zero columns quantize to zero codes and add nothing to any GEMM.
+- FC1 runs as the plain GEMM over all of w1's rows (``h [T, n1']``, b1 added), and the activation is a
+  pass of its own (:mod:`.glu_rows`) that pairs gate column ``j`` with up column ``F + j`` wherever F
+  falls against the tiles; its FP32 output ``a [T, F']`` (zeros past F) goes through the recipe's
+  quantize pass. Backward likewise: the dGLU's GEMM writes ``da [T, F']``, the dGLU pass writes
+  ``dh`` in h's own layout, and the quantize pass blocks it along all of w1's rows, as TE's dgrad and
+  wgrad see it. The values quantized are those the tile-aligned path's separate epilogues quantize
+  (``a = act(h)`` of the saved h; ``da`` in ``EPILOGUE_INPUT_DTYPE`` or h's dtype).
+- Results are views of the padded buffers: ``y``, ``dx`` ``[:, :H]``, ``dw1`` ``[:, :n1, :H]``,
+  ``dw2`` ``[:, :H, :F]``.
+
+What it costs against the tile-aligned path (:mod:`.block_scaled`, whose FC1 / dGLU epilogues form
+and quantize ``a`` / ``dh`` in the GEMM kernels): the copies of ``x`` and ``dy``; ``a`` and ``dh``
+written and read once more in FP32 for their quantize passes; GEMMs over the padded sizes. Still no
+host reads of device data: sync-free and graph-capturable like the rest of the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import block_scaled
+from .block_scaled import backward_needs, empty_input_grads, keep_columnwise, mlp_sizes, new_buffer, wgrad_operand
+from .glu_rows import glu_backward, glu_forward
+from .schedule import build_schedule, max_m_tiles
+
+
+def padded_size(size: int, tile: int) -> int:
+    """``size`` rounded up to a multiple of ``tile``."""
+    return -(-size // tile) * tile
+
+
+def zero_padded(t: Optional[torch.Tensor], shape: Sequence[int]) -> Optional[torch.Tensor]:
+    """``t`` in the leading corner of a zero tensor of ``shape`` (``t`` itself where it has that shape)."""
+    if t is None or tuple(t.shape) == tuple(shape):
+        return t
+    pads = [amount for size, target in zip(reversed(t.shape), reversed(shape)) for amount in (0, target - size)]
+    return torch.nn.functional.pad(t, pads)
+
+
+def expert_sums(kernels, parts: torch.Tensor, schedule: torch.Tensor, num_experts: int, like: torch.Tensor):
+    """Per-expert sums ``[E, width]`` (``like``'s dtype) of per-tile column sums ``parts``."""
+    out = new_buffer((num_experts, parts.shape[1]), like)
+    kernels.tile_sums_to_experts(parts, schedule, out)
+    return out
+
+
+class PaddedExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs, kernels):
+        spec, grad_spec = specs  # x, a and weights; gradients (E5M2 under Format.HYBRID)
+        k = kernels
+        need = ctx.needs_input_grad
+        num_rows, hidden, num_experts, n1, ffn = mlp_sizes(x.shape, w1, w2)
+        hidden_p, n1_p, ffn_p = (padded_size(size, k.tile) for size in (hidden, n1, ffn))
+        ctx.act, ctx.grad_spec, ctx.kernels = activation.launch_args, grad_spec, k
+        ctx.read = read = k.operand_reader()
+        ctx.empty = num_rows == 0
+        if ctx.empty:
+            ctx.save_for_backward(x, w1, w2, probs)
+            return new_buffer((0, hidden), x)
+        alloc = block_scaled.ALLOC
+        schedule = build_schedule(tokens_per_expert, num_rows, k.tile)
+        w1q = k.weight_cache.get(w1, spec, padded_to=(num_experts, n1_p, hidden_p))
+        w2q = k.weight_cache.get(w2, spec, padded_to=(num_experts, hidden_p, ffn_p))
+        xq = k.quantize_rows(zero_padded(x, (num_rows, hidden_p)), schedule, num_experts, spec, rowwise=True,
+                             colwise=need[2], alloc=alloc)
+        h = new_buffer((num_rows, n1_p), x, block_scaled.H_DTYPE or x.dtype)
+        k.gemm.launch("fc2", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, n1_p, schedule,
+                      num_experts, spec, c=h, bias=zero_padded(b1, (num_experts, n1_p)))
+        a = glu_forward(h, ffn, ffn_p, schedule, num_experts, probs, ctx.act, alloc)
+        aq = k.quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=alloc)
+        del a
+        y = new_buffer((num_rows, hidden_p), x)
+        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, hidden_p,
+                      schedule, num_experts, spec, c=y, bias=zero_padded(b2, (num_experts, hidden_p)))
+        ctx.save_for_backward(w1, w2, probs, h)
+        ctx.x_shape = x.shape
+        ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+        keep_columnwise(ctx, k, xq, aq)
+        return y[:, :hidden]
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad  # x, counts, w1, w2, b1, b2, probs, activation, specs, kernels
+        if ctx.empty:
+            return empty_input_grads(need, *ctx.saved_tensors)
+        w1, w2, probs, h = ctx.saved_tensors
+        k, read, spec, schedule, alloc = ctx.kernels, ctx.read, ctx.grad_spec, ctx.schedule, block_scaled.ALLOC
+        cols = wgrad_operand(k, read)
+        num_rows, hidden, num_experts, n1, ffn = mlp_sizes(ctx.x_shape, w1, w2)
+        hidden_p, n1_p, ffn_p = (padded_size(size, k.tile) for size in (hidden, n1, ffn))
+        m_tiles = max_m_tiles(num_rows, num_experts, k.tile)
+        want_dprob, need_dact = backward_needs(need, probs)
+        dx = dw1 = dw2 = db1 = db2 = dprobs = dhq = None
+
+        db2_parts = new_buffer((m_tiles, hidden_p), w1, torch.float32) if need[5] else None
+        dyq = k.quantize_rows(zero_padded(dy.contiguous(), (num_rows, hidden_p)), schedule, num_experts, spec,
+                              rowwise=need_dact, colwise=need[3], alloc=alloc, col_sums=db2_parts)
+        if need_dact:
+            da = new_buffer((num_rows, ffn_p), w1, getattr(k.gemm, "EPILOGUE_INPUT_DTYPE", None) or h.dtype)
+            k.gemm.launch("fc2", read(dyq.data, dyq.scale), dyq.scale, read(ctx.w2q.data_t, ctx.w2q.scale_t),
+                          ctx.w2q.scale_t, ffn_p, schedule, num_experts, spec, c=da)
+            dh, dprobs = glu_backward(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, alloc)
+            del da
+            db1_parts = new_buffer((m_tiles, n1_p), w1, torch.float32) if need[4] else None
+            dhq = k.quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2], alloc=alloc,
+                                  col_sums=db1_parts)
+            del dh
+            if want_dprob:
+                dprobs = dprobs.to(probs.dtype)
+            if need[4]:
+                db1 = expert_sums(k, db1_parts, schedule, num_experts, w1)[:, :n1]
+        if need[0]:
+            dx = new_buffer((num_rows, hidden_p), w1)
+            k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(ctx.w1q.data_t, ctx.w1q.scale_t),
+                          ctx.w1q.scale_t, hidden_p, schedule, num_experts, spec, c=dx)
+            dx = dx[:, :hidden]
+        if need[3]:
+            dw2 = new_buffer((num_experts, hidden_p, ffn_p), w2)
+            k.grouped_wgrad(cols(dyq), cols(ctx.a_cols), schedule, dw2)
+            dw2 = dw2[:, :hidden, :ffn]
+        if need[5]:
+            db2 = expert_sums(k, db2_parts, schedule, num_experts, w1)[:, :hidden]
+        if need[2]:
+            dw1 = new_buffer((num_experts, n1_p, hidden_p), w1)
+            k.grouped_wgrad(cols(dhq), cols(ctx.x_cols), schedule, dw1)
+            dw1 = dw1[:, :n1, :hidden]
+        return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None
+

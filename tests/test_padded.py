@@ -1,0 +1,190 @@
+"""Hidden / FFN sizes off the block-scaled GEMMs' 128-wide tile (te_fused_moe/backends/triton/padded.py).
+
+Host logic on the CPU: the padding helpers, the weight cache's ``padded_to`` entries and which recipes
+take which sizes. The GLU passes (glu_rows.py) under Triton's interpreter, against the activations'
+PyTorch definitions in FP64 on random data: gate / up pairs whose columns straddle the passes' column
+tiles, padding rows, an expert without tokens, outputs poisoned with NaN before the kernels write them.
+The whole MLP at such sizes is checked against the reference backend in the recipes' interpreter tests
+(MLP_CASES ``padded-*``) and, on the GPU, at GPT-OSS's 2880 (tests/gpu/).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from moe_reference import run_in_triton_interpreter
+
+pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_padded_sizes_and_zero_padding():
+    from te_fused_moe.backends.triton.padded import padded_size, zero_padded
+
+    assert [padded_size(s, 128) for s in (1, 127, 128, 129, 2880)] == [128, 128, 128, 256, 2944]
+    w = torch.randn(2, 3, 5) + 10.0  # never zero
+    out = zero_padded(w, (2, 4, 8))
+    assert out.shape == (2, 4, 8) and torch.equal(out[:, :3, :5], w)
+    assert int((out != 0).sum()) == w.numel()  # the rest is zeros
+    assert zero_padded(w, (2, 3, 5)) is w and zero_padded(None, (1,)) is None
+
+
+def test_weight_cache_keeps_padded_copies_apart():
+    from te_fused_moe.backends.triton.fp8_block.quantize import WeightCache
+
+    seen = []
+    cache = WeightCache(follow_optimizer_steps=False,
+                        quantize_fn=lambda w, spec, transposed: seen.append(w.clone()) or w.clone())
+    w = torch.randn(2, 72, 96) + 5.0
+    q = cache.get(w, "spec", padded_to=(2, 128, 128))
+    assert q.shape == (2, 128, 128) and torch.equal(q[:, :72, :96], w) and int((q != 0).sum()) == w.numel()
+    assert cache.get(w, "spec", padded_to=(2, 128, 128)) is q and cache.hits == 1 and cache.misses == 1
+    assert cache.get(w, "spec").shape == w.shape and cache.misses == 2  # another layout: quantized again
+    with torch.no_grad():
+        w.add_(1.0)  # an update through the parameter: a fresh padded copy
+    assert torch.equal(cache.get(w, "spec", padded_to=(2, 128, 128))[:, :72, :96], w) and cache.misses == 3
+
+
+def test_which_recipes_take_which_sizes():
+    """FP8 block and MXFP8 take every size (tile multiples as they are, others zero-padded); NVFP4 still
+    needs multiples of 128 and names the weight and size it refuses."""
+    from te_fused_moe.backends.triton.fp8_block.autograd import KERNELS as FP8_BLOCK
+    from te_fused_moe.backends.triton.mxfp8.autograd import KERNELS as MXFP8
+    from te_fused_moe.backends.triton.nvfp4.autograd import KERNELS as NVFP4
+
+    for kernels in (FP8_BLOCK, MXFP8):
+        assert kernels.unsupported_shapes(2880, 2880) is None and kernels.unsupported_shapes(256, 128) is None
+        assert kernels.check_shapes(256, 128) is None  # the tile-aligned Function
+        assert "w1:" in kernels.check_shapes(2880, 256) and "got 2880" in kernels.check_shapes(2880, 256)
+    assert NVFP4.unsupported_shapes(256, 128) is None
+    reason = NVFP4.unsupported_shapes(256, 2880)
+    assert reason.startswith("w2: backend='triton' with NVFP4BlockScaling needs the FFN size to be a multiple of "
+                             "128, got 2880"), reason
+
+
+def test_backend_routes_gpt_oss_sizes_to_triton_for_fp8_recipes_only():
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.backends import get_backend
+    from te_fused_moe.backends.base import ExpertMLPArgs
+    from te_fused_moe.recipes import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+
+    backend = get_backend("triton")
+    x = torch.empty(4, 2880)
+    w1, w2 = torch.empty(2, 5760, 2880), torch.empty(2, 2880, 2880)
+    verdicts = {}
+    for recipe in (Float8BlockScaling(), MXFP8BlockScaling(), NVFP4BlockScaling()):
+        args = ExpertMLPArgs(x=x, tokens_per_expert=torch.tensor([2, 2]), w1=w1, w2=w2,
+                             activation=ActivationConfig("gpt_oss_swiglu"), recipe=recipe)
+        verdicts[type(recipe).__name__] = backend.supports_args(args)
+    assert verdicts["Float8BlockScaling"] and verdicts["MXFP8BlockScaling"], verdicts
+    assert not verdicts["NVFP4BlockScaling"] and "got 2880" in verdicts["NVFP4BlockScaling"].reason, verdicts
+
+
+# --- the GLU passes under the interpreter ----------------------------------------------------------
+
+# (activation, T, F, width of h, experts, padding rows)
+GLU_CASES = [("swiglu", 300, 72, 256, 3, 5), ("gpt_oss_swiglu", 200, 100, 256, 4, 9), ("geglu", 130, 64, 128, 2, 0),
+             ("srelu", 260, 90, 128, 3, 7), ("gelu", 140, 128, 128, 2, 3)]
+
+
+def check_glu_passes(device: str, seed: int = 0) -> dict:
+    """Per case: the GLU passes' max relative error vs FP64 (``a``, ``dh``, ``dprob``), NaNs left in
+    their outputs (unwritten elements), and nonzeros where zeros are due (past the units, padding rows)."""
+    from moe_reference import make_counts
+
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.backends.triton.glu_rows import glu_backward, glu_forward
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    poisoned = lambda shape, device, dtype: torch.full(shape, float("nan"), device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, T, F, width, E, padding in GLU_CASES:
+        act = ActivationConfig(name)
+        units = 2 * F if act.gated else F
+        a_width = -(-F // 128) * 128
+        counts = make_counts(T, E, "empty", generator=g, padding=padding)
+        schedule = build_schedule(counts.to(device), T, 128)
+        h = (torch.randn(T, width, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
+        da = torch.randn(T, a_width, generator=g).to(device=device, dtype=torch.bfloat16)
+        probs = torch.rand(T, generator=g).to(device) + 0.1
+        a = glu_forward(h, F, a_width, schedule, E, probs, act.launch_args, alloc=poisoned)
+        dh, dprob = glu_backward(da, h, F, schedule, E, probs, act.launch_args, True, alloc=poisoned)
+        routed = int(counts.sum())
+        h64, da64, p64 = h[:routed, :units].double().cpu(), da[:routed, :F].double().cpu(), probs[:routed].double().cpu()
+        a_ref = act.forward(h64) * p64[:, None]
+        dh_ref = act.backward(h64, da64 * p64[:, None])
+        dprob_ref = (da64 * act.forward(h64)).sum(1)
+        rel = lambda got, ref: float((got.double().cpu() - ref).abs().max() / ref.abs().max())
+        out[name] = {
+            "a": rel(a[:routed, :F], a_ref), "dh": rel(dh[:routed, :units], dh_ref),
+            "dprob": float(((dprob[:routed].double().cpu() - dprob_ref).abs()
+                            / (da64.abs() * act.forward(h64).abs()).sum(1).clamp_min(1e-30)).max()),
+            "nan": int(torch.isnan(a).sum() + torch.isnan(dh).sum() + torch.isnan(dprob).sum()),
+            "nonzero": int((a[:, F:] != 0).sum() + (a[routed:] != 0).sum() + (dh[:, units:] != 0).sum()
+                           + (dh[routed:] != 0).sum() + (dprob[routed:] != 0).sum()),
+            "padding_rows": T - routed, "straddles": bool(F % 64),
+        }
+    return out
+
+
+def sm90_build_report() -> dict:
+    """Offline sm_90a builds of both GLU passes (tests/sm90_build.py), gated with router probs."""
+    from sm90_build import build_sm90
+
+    from te_fused_moe.backends.triton import glu_rows as G
+    from te_fused_moe.backends.triton.act_math import ACT_IDS
+
+    common = dict(ACT=ACT_IDS["gpt_oss_swiglu"], GATED=True, HAS_PROBS=True, BM=G.BLOCK_M, BN=G.BLOCK_N)
+    floats = {"alpha": "fp32", "limit": "fp32"}
+    return {
+        "forward": build_sm90(G.glu_forward_kernel, dict(h_ptr="*bf16", probs_ptr="*fp32", a_ptr="*fp32",
+                                                         sched_ptr="*i32", **floats), common, num_warps=G.NUM_WARPS),
+        "backward": build_sm90(G.glu_backward_kernel, dict(da_ptr="*bf16", h_ptr="*bf16", probs_ptr="*fp32",
+                                                           dh_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32",
+                                                           **floats), dict(common, WRITE_DPROB=True),
+                                num_warps=G.NUM_WARPS),
+    }
+
+
+def test_glu_passes_build_for_sm90a():
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
+
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
+    for name, r in report_in_subprocess("test_padded").items():
+        assert r["stack"] == 0 and r["instructions"] > 0, (name, r)  # no spills
+
+
+def _worker() -> None:
+    import json
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    print("RESULTS" + json.dumps({"glu": check_glu_passes("cpu")}))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_in_triton_interpreter("import test_padded as t; t._worker()")
+
+
+@pytest.mark.parametrize("case", GLU_CASES, ids=[c[0] for c in GLU_CASES])
+def test_glu_passes_match_fp64(results, case):
+    r = results["glu"][case[0]]
+    assert r["nan"] == 0 and r["nonzero"] == 0, r
+    assert r["a"] <= 1e-5 and r["dh"] <= 1e-5 and r["dprob"] <= 1e-5, r
+    assert r["padding_rows"] > 0 or case[5] == 0, r
+
+
+def test_glu_cases_cover_straddling_tiles():
+    assert any(f % 64 for _, _, f, _, _, _ in GLU_CASES) and any(act == "srelu" for act, *_ in GLU_CASES)
+
+
+if __name__ == "__main__":
+    _worker()
