@@ -116,7 +116,8 @@ def check_glu_passes(device: str, seed: int = 0) -> dict:
         a = glu_forward(h, F, a_width, schedule, E, probs, act.launch_args, alloc=poisoned)
         dh, dprob = glu_backward(da, h, F, schedule, E, probs, act.launch_args, True, alloc=poisoned)
         routed = int(counts.sum())
-        h64, da64, p64 = h[:routed, :units].double().cpu(), da[:routed, :F].double().cpu(), probs[:routed].double().cpu()
+        h64, da64 = h[:routed, :units].double().cpu(), da[:routed, :F].double().cpu()
+        p64 = probs[:routed].double().cpu()
         a_ref = act.forward(h64) * p64[:, None]
         dh_ref = act.backward(h64, da64 * p64[:, None])
         dprob_ref = (da64 * act.forward(h64)).sum(1)

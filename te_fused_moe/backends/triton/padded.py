@@ -112,7 +112,8 @@ class PaddedExpertMLP(torch.autograd.Function):
         dyq = k.quantize_rows(zero_padded(dy.contiguous(), (num_rows, hidden_p)), schedule, num_experts, spec,
                               rowwise=need_dact, colwise=need[3], alloc=alloc, col_sums=db2_parts)
         if need_dact:
-            da = new_buffer((num_rows, ffn_p), w1, getattr(k.gemm, "EPILOGUE_INPUT_DTYPE", None) or h.dtype)
+            # da in the dtype the tile-aligned path's separate dGLU epilogue reads it in
+            da = new_buffer((num_rows, ffn_p), w1, k.gemm.EPILOGUE_INPUT_DTYPE or h.dtype)
             k.gemm.launch("fc2", read(dyq.data, dyq.scale), dyq.scale, read(ctx.w2q.data_t, ctx.w2q.scale_t),
                           ctx.w2q.scale_t, ffn_p, schedule, num_experts, spec, c=da)
             dh, dprobs = glu_backward(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, alloc)
