@@ -25,7 +25,9 @@ What is checked, and the bounds:
    Their operands' columnwise copies are transformed in FP32 by the kernels and in FP64 by the
    reference, so now and then one E2M1 code or E4M3 block scale lands a step away; at these sizes
    one such flip moves dw by ~5e-3 (seed 206094 of ``swiglu-x16-empty``: dw2 5.4e-3, everything
-   else <= 5e-5, the rowwise forward exact). Other counts: the reference crops the zero-padded tail of an
+   else <= 5e-5, the rowwise forward exact). The forward's rowwise codes can flip too, though rarer
+   (``FLIP_SHARE``): an output over its bound passes if at most 1% of its elements are off by more than
+   1e-3 of its max and it stays within 1e-2 of the FP64 fake-quantized truth. Other counts: the reference crops the zero-padded tail of an
    expert's transformed slice after its inverse RHT, the kernels multiply the transformed blocks
    (TE's definition), so the wgrads differ by ~2e-3: bound 1e-2. With ``h`` in BF16 (the default),
    ``dh`` sees ``h`` rounded and a code next to an E2M1 midpoint moves a whole step: 6e-2. Stochastic
@@ -50,6 +52,12 @@ if __name__ != "__main__":
     pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
 
 TIGHT, RAGGED_RHT, WGRAD_RHT, LOOSE, SR_NOISE = 5e-3, 1e-2, 2e-2, 6e-2, 0.5
+# One E2M1 code or E4M3 block scale of a GEMM operand a step away from the reference's: a value on a
+# rounding boundary, reached in another FP32 order. At these sizes it moves one token's row of an output
+# by ~1e-2 (seed 897699 of gptoss-x16-ptr: y 1.1e-2 from the reference, 0.36% of y's elements, y 1.7e-3
+# from the FP64 truth, every gradient <= 4e-5). An output over its bound passes if no more elements than
+# such a flip moves are off and it stays on the FP64 truth.
+FLIP_SHARE, FLIP_FP64 = 0.01, 1e-2
 SM90_MAX_SHARED = 227 * 1024  # shared memory one block may use on sm_90
 
 # (id, T, H, F, E, activation, bias, probs, counts or routing, padding, h_fp32, tma, frozen, recipe options)
@@ -563,7 +571,10 @@ def test_mlp_matches_reference_emulation(results, case):
     for name, err in res["err"].items():
         bound = mlp_bound(case, name)
         assert res["nan"][name] == 0, (case[0], name, res)
-        assert err <= bound, f"{case[0]} (seed {res['seed']}): {name} rel. error vs reference {err:.3g} > {bound}"
+        if err > bound:  # a code flip (see FLIP_SHARE), or a bug
+            assert res["far"][name] <= FLIP_SHARE and res["fp64"][name] <= FLIP_FP64, \
+                (f"{case[0]} (seed {res['seed']}): {name} rel. error vs reference {err:.3g} > {bound}, with "
+                 f"{res['far'][name]:.3g} of its elements off and {res['fp64'][name]:.3g} vs FP64")
     for name, bad in res["nonzero"].items():
         assert bad == 0, (case[0], name, res["nonzero"])
 
