@@ -113,6 +113,15 @@ def new_buffer(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     return ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
 
 
+def expert_sums(tile_sums_to_experts: Callable, parts: torch.Tensor, schedule: torch.Tensor, num_experts: int,
+                like: torch.Tensor) -> torch.Tensor:
+    """Per-expert sums ``[E, width]`` (``like``'s dtype) of the per-tile column sums ``parts``
+    ``[max_m_tiles, width]`` (the bias gradients), by the recipe's ``tile_sums_to_experts``."""
+    out = new_buffer((num_experts, parts.shape[1]), like)
+    tile_sums_to_experts(parts, schedule, out)
+    return out
+
+
 def mlp_sizes(x_shape, w1: torch.Tensor, w2: torch.Tensor) -> tuple:
     """``(T, H, E, n1, F)`` of an expert-MLP call: x ``[T, H]``, w1 ``[E, n1, H]``, w2 ``[E, H, F]``."""
     return x_shape[0], x_shape[1], w1.shape[0], w1.shape[1], w2.shape[2]
@@ -212,8 +221,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
             if need[4]:
-                db1 = new_buffer((num_experts, n1), like)
-                k.tile_sums_to_experts(dbias_buf, schedule, db1)
+                db1 = expert_sums(k.tile_sums_to_experts, dbias_buf, schedule, num_experts, like)
         if need[0]:
             dx = new_buffer((num_rows, hidden), like)
             k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(ctx.w1q.data_t, ctx.w1q.scale_t),
@@ -222,8 +230,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
             dw2 = new_buffer(w2.shape, w2)
             k.grouped_wgrad(cols(dyq), cols(ctx.a_cols), schedule, dw2)
         if need[5]:
-            db2 = new_buffer((num_experts, hidden), like)
-            k.tile_sums_to_experts(db2_parts, schedule, db2)
+            db2 = expert_sums(k.tile_sums_to_experts, db2_parts, schedule, num_experts, like)
         if need[2]:
             dw1 = new_buffer(w1.shape, w1)
             k.grouped_wgrad(cols(dhq), cols(ctx.x_cols), schedule, dw1)

@@ -34,7 +34,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import block_scaled
-from .block_scaled import backward_needs, empty_input_grads, keep_columnwise, mlp_sizes, new_buffer, wgrad_operand
+from .block_scaled import (backward_needs, empty_input_grads, expert_sums, keep_columnwise, mlp_sizes, new_buffer,
+                           wgrad_operand)
 from .glu_rows import glu_backward, glu_forward
 from .schedule import build_schedule, max_m_tiles
 
@@ -50,13 +51,6 @@ def zero_padded(t: Optional[torch.Tensor], shape: Sequence[int]) -> Optional[tor
         return t
     pads = [amount for size, target in zip(reversed(t.shape), reversed(shape)) for amount in (0, target - size)]
     return torch.nn.functional.pad(t, pads)
-
-
-def expert_sums(kernels, parts: torch.Tensor, schedule: torch.Tensor, num_experts: int, like: torch.Tensor):
-    """Per-expert sums ``[E, width]`` (``like``'s dtype) of per-tile column sums ``parts``."""
-    out = new_buffer((num_experts, parts.shape[1]), like)
-    kernels.tile_sums_to_experts(parts, schedule, out)
-    return out
 
 
 class PaddedExpertMLP(torch.autograd.Function):
@@ -125,7 +119,7 @@ class PaddedExpertMLP(torch.autograd.Function):
             if want_dprob:
                 dprobs = dprobs.to(probs.dtype)
             if need[4]:
-                db1 = expert_sums(k, db1_parts, schedule, num_experts, w1)[:, :n1]
+                db1 = expert_sums(k.tile_sums_to_experts, db1_parts, schedule, num_experts, w1)[:, :n1]
         if need[0]:
             dx = new_buffer((num_rows, hidden_p), w1)
             k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(ctx.w1q.data_t, ctx.w1q.scale_t),
@@ -136,7 +130,7 @@ class PaddedExpertMLP(torch.autograd.Function):
             k.grouped_wgrad(cols(dyq), cols(ctx.a_cols), schedule, dw2)
             dw2 = dw2[:, :hidden, :ffn]
         if need[5]:
-            db2 = expert_sums(k, db2_parts, schedule, num_experts, w1)[:, :hidden]
+            db2 = expert_sums(k.tile_sums_to_experts, db2_parts, schedule, num_experts, w1)[:, :hidden]
         if need[2]:
             dw1 = new_buffer((num_experts, n1_p, hidden_p), w1)
             k.grouped_wgrad(cols(dhq), cols(ctx.x_cols), schedule, dw1)

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from .. import block_scaled
-from ..block_scaled import backward_needs, empty_input_grads, mlp_sizes, new_buffer
+from ..block_scaled import backward_needs, empty_input_grads, expert_sums, mlp_sizes, new_buffer
 from ..fp8_block.wgrad import tile_sums_to_experts
 from ..schedule import build_schedule, max_m_tiles
 from . import gemm
@@ -132,8 +132,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
             dhq = quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2], alloc=alloc,
                                 col_sums=db1_parts)
             if need[4]:
-                db1 = new_buffer((num_experts, n1), w1)
-                tile_sums_to_experts(db1_parts, schedule, db1)
+                db1 = expert_sums(tile_sums_to_experts, db1_parts, schedule, num_experts, w1)
         if need[0]:
             dx = new_buffer((num_rows, hidden), w1)
             gemm.launch("dgrad", gemm_rows(dhq, expand, rowwise=True), gemm_weight(ctx.w1q, expand, True), hidden,
@@ -143,8 +142,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
             nv_grouped_wgrad(gemm_rows(dyq, expand, colwise=True), gemm_rows(ctx.aq, expand, colwise=True), schedule,
                              dw2)
         if need[5]:
-            db2 = new_buffer((num_experts, hidden), w1)
-            tile_sums_to_experts(db2_parts, schedule, db2)
+            db2 = expert_sums(tile_sums_to_experts, db2_parts, schedule, num_experts, w1)
         if need[2]:
             dw1 = new_buffer(w1.shape, w1)
             nv_grouped_wgrad(gemm_rows(dhq, expand, colwise=True), gemm_rows(ctx.xq, expand, colwise=True), schedule,
