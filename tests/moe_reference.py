@@ -79,8 +79,9 @@ def expert_mlp_fp64(x, tokens_per_expert, w1, w2, activation="swiglu", b1=None, 
 
 
 def rel_err_to(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> float:
-    """||out - ref|| / ||scale||: the error relative to the magnitudes a result was summed from (a sum
-    that cancels has a small ||ref|| but the rounding error of its terms)."""
+    """||out - ref|| / ||scale|| in FP64 (||out - ref|| where ||scale|| is 0): the error relative to the
+    magnitudes a result was summed from (a sum that cancels has a small ||ref|| but the rounding error
+    of its terms)."""
     num = (out.detach().double().cpu() - ref.detach().double().cpu()).norm().item()
     denom = scale.detach().double().cpu().norm().item()
     return num if denom == 0.0 else num / denom
@@ -88,13 +89,7 @@ def rel_err_to(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> flo
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in FP64 (NaN anywhere gives NaN, which fails every bound)."""
-    out = out.detach().double().cpu()
-    ref = ref.detach().double().cpu()
-    denom = ref.norm().item()
-    num = (out - ref).norm().item()
-    if denom == 0.0:
-        return num
-    return num / denom
+    return rel_err_to(out, ref, ref)
 
 
 def make_counts(num_tokens: int, num_experts: int, kind: str = "balanced", generator=None,
