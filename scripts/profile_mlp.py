@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Where one expert-MLP implementation's forward + backward spends its GPU time: the kernels under
+torch.profiler, per iteration, largest first, with the gradients landing in ``.grad`` as in training
+(so the copies autograd makes of gradients that break a parameter's layout show up too).
+
+    python scripts/profile_mlp.py --impls fp8_block_fused,bf16_fused --shape gpt-oss --out "$OUT"
+
+``--impls``: names from ``te_fused_moe.bench_recipes.IMPLEMENTATIONS``. Writes ``profile_<impl>_<shape>.txt``.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from te_fused_moe import bench, bench_recipes  # noqa: E402
+
+
+def kernel_table(fn, params, dy, iterations: int) -> str:
+    """The profiled kernels of ``iterations`` calls of ``fn().backward(dy)``, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        for p in params:
+            p.grad = None
+        fn().backward(dy)
+
+    for _ in range(3):  # compile, warm the caches
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name[:90]
+        total, count = rows.get(name, (0.0, 0))
+        rows[name] = (total + event.time_range.elapsed_us(), count + 1)
+    lines, grand = [], sum(total for total, _ in rows.values()) / iterations / 1e3
+    for name, (total, count) in sorted(rows.items(), key=lambda item: -item[1][0]):
+        lines.append(f"{total / iterations / 1e3:8.3f} ms  x{count / iterations:4.1f}  {name}")
+    return f"GPU time per fwd+bwd: {grand:.3f} ms (kernels back to back, no gaps)\n" + "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impls", default="fp8_block_fused,bf16_fused")
+    parser.add_argument("--shape", default="gpt-oss", choices=sorted(bench.SHAPES))
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    shape = bench.SHAPES[args.shape]
+    inputs = bench.make_inputs(shape)
+    for name in args.impls.split(","):
+        fn = bench_recipes.IMPLEMENTATIONS[name]
+        x, w1, w2 = (inputs[key].clone().requires_grad_(True) for key in ("x", "w1", "w2"))
+        table = kernel_table(lambda: fn(x, inputs["counts"], w1, w2, shape.activation), [x, w1, w2], inputs["dy"],
+                             args.iterations)
+        text = f"{name} at {args.shape} ({torch.cuda.get_device_name()})\n{table}\n"
+        print(text, flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"profile_{name}_{args.shape}.txt"), "w") as f:
+                f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
