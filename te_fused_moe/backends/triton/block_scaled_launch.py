@@ -54,6 +54,14 @@ def or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor, *dims: int) -> tupl
     return (t,) + tuple(t.stride(d) for d in dims)
 
 
+def tiled_width(mode: int, n: int, b_rows: int, tile: int) -> int:
+    """The width a GEMM's tiles cover: ``n``, or for a plain GEMM whose B has the rows (zero-padded,
+    see ``padded.py``), ``n`` rounded up to ``tile``: the kernels compute the last tile whole and store
+    only its columns before ``n``. Launchers check this width against the tile."""
+    rounded = -(-n // tile) * tile
+    return rounded if mode == MODE_PLAIN and b_rows >= rounded else n
+
+
 def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: torch.Tensor, b_scale: torch.Tensor,
                     b_up_rows: int, c=None, q=None, q_up_offset: int = 0, h=None, h_up_offset: int = 0, bias=None,
                     bias_up_offset: int = 0, probs=None, dprob=None, dbias=None) -> tuple:
@@ -80,14 +88,18 @@ def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: tor
 
 
 def wgrad_operands(g, x, dw: torch.Tensor, block_n: int, block_k: int, block_t: int, use_tma: bool) -> tuple:
-    """Checks the columnwise copies of ``g`` [T, N] and ``x`` [T, K] against ``dw`` [E, N, K], then
+    """Checks the columnwise copies of ``g`` [T, N] and ``x`` [T, K] against ``dw`` [E, N, K] (a copy may be
+    zero-padded up to the next multiple of 128: its columns past dw's are not read), then
     returns (use_tma, the wgrad kernels' arguments from ``g_src`` to ``N, K, NUM_GROUPS`` minus the
     schedule): TMA descriptors of ``data_t`` (FP8 codes, or bytes of two FP4 codes) with ``block_n`` /
     ``block_k`` x ``block_t`` boxes where allowed."""
     num_experts, n, k = dw.shape
     if g.data_t is None or x.data_t is None:
         raise ValueError("g, x: the wgrad needs the columnwise (transposed) copies (data_t, scale_t)")
-    if g.data_t.shape[0] != n or x.data_t.shape[0] != k or g.data_t.shape[1] != x.data_t.shape[1]:
+    def covers(rows: int, size: int) -> bool:
+        return size <= rows <= -(-size // 128) * 128
+
+    if not covers(g.data_t.shape[0], n) or not covers(x.data_t.shape[0], k) or g.data_t.shape[1] != x.data_t.shape[1]:
         raise ValueError(f"dw: shape {tuple(dw.shape)} does not match g {tuple(g.data_t.shape)}^T, x {tuple(x.data_t.shape)}^T")
     use_tma = use_tma and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (g.data_t, x.data_t))
     g_src, x_src = g.data_t, x.data_t

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_FC1, MODE_PLAIN, kernel_operands, operand_sources,
-                                   quantized_copies, separate_epilogue, tma_allowed)
+                                   quantized_copies, separate_epilogue, tiled_width, tma_allowed)
 from ..grouped_gemm import interpreting, register_cap
 from ..operand_tiles import k_block, operand_tiles
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
@@ -396,13 +396,14 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
            limit: float = 7.0, gated: bool = False, config: Optional[FP8GemmConfig] = None):
     """One FP8 grouped GEMM. ``a`` [T, K] FP8 + ``a_scale`` [T, K/128]; ``b`` [E, rows, K] FP8 K-major
     (contiguous) + ``b_scale`` [E, rows/128, K/128] (any strides); ``n`` output columns (the gate
-    half for gated FC1/DACT). ``q`` (FC1/DACT): a :class:`~.quantize.QuantizedRows` whose present
+    half for gated FC1/DACT; a plain GEMM's may be off the tile where B's rows cover the last one:
+    its columns past ``n`` are computed, not stored). ``q`` (FC1/DACT): a :class:`~.quantize.QuantizedRows` whose present
     copies are written. ``dprob``: FP32 ``[cdiv(n, BN), T]`` partials; ``dbias``: FP32
     ``[max_m_tiles, width]`` per-tile column sums of ``dh``."""
     mode = GEMM_MODES[kind]
     cfg = config or default_config(kind)
     num_rows, k = a.shape
-    if k % BLOCK or n % BLOCK:
+    if k % BLOCK or tiled_width(mode, n, b.shape[1], BLOCK) % BLOCK:
         raise ValueError(f"FP8 block GEMM: K={k} and N={n} must be multiples of {BLOCK}")
     if mode != MODE_PLAIN and cfg.block_n != BLOCK:
         raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")

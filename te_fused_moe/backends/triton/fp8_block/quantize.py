@@ -121,14 +121,15 @@ def quantize_tiles_kernel(
     q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
     qt_ptr, stride_qtk, qts_ptr, stride_qtst,
     colsum_ptr, stride_cst,
-    sched_ptr, K, value_for_inf, NUM_GROUPS,
+    sched_ptr, K, X_COLS, value_for_inf, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr,
     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, 128 columns): rowwise 1x128 blocks of the tile's rows and,
     with ``COLWISE``, one 128-token block per column (the tile's rows are one expert's block); with
-    ``COLSUM`` the tile's FP32 column sums too (bias gradients, summed per expert later)."""
+    ``COLSUM`` the tile's FP32 column sums too (bias gradients, summed per expert later). ``K``
+    columns are written, x's first ``X_COLS`` (<= K) read: the rest as zeros."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
@@ -141,8 +142,8 @@ def quantize_tiles_kernel(
     col_ok = cols < K
     mask = row_ok[:, None] & col_ok[None, :]
     row0 = row0.to(tl.int64)
-    x = tl.load(row_block(x_ptr, row0, stride_xm, col0, BM) + tl.arange(0, BK)[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    x = tl.load(row_block(x_ptr, row0, stride_xm, col0, BM) + tl.arange(0, BK)[None, :],
+                mask=mask & (cols < X_COLS)[None, :], other=0.0).to(tl.float32)
     if COLSUM:
         tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0), mask=col_ok)
     if ROWWISE:
@@ -194,13 +195,17 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: FP8Spec, *, rowwise: bool = True,
                   colwise: bool = False, value_for_inf: float = FLOAT32_MAX, alloc=torch.empty,
                   col_sums: Optional[torch.Tensor] = None, num_warps: Optional[int] = None,
-                  maxnreg: Optional[int] = None) -> QuantizedRows:
+                  maxnreg: Optional[int] = None, width: Optional[int] = None) -> QuantizedRows:
     """Quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert).
-    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``."""
-    num_rows, k = x.shape
+    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``.
+    ``width`` (>= K, default K): the copies' width, x zero-padded to it (``padded.py``) without a copy."""
+    x_cols = x.shape[1]
+    num_rows, k = x.shape[0], width or x_cols
     if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
+    if k < x_cols:
+        raise ValueError(f"width: expected at least x's {x_cols} columns, got {k}")
     out = QuantizedRows()
     if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
         return out
@@ -221,7 +226,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         _codes(out.data_t) if colwise else dummy_q, out.data_t.stride(0) if colwise else 0,
         out.scale_t if colwise else dummy_s, out.scale_t.stride(0) if colwise else 0,
         col_sums if col_sums is not None else dummy_s, col_sums.stride(0) if col_sums is not None else 0,
-        schedule, k, float(value_for_inf), num_experts + 1,
+        schedule, k, x_cols, float(value_for_inf), num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=BLOCK, BK=BLOCK,
         num_warps=4 if interpreting() else (num_warps or QUANTIZE_WARPS),
         **register_cap(maxnreg or QUANTIZE_MAXNREG),

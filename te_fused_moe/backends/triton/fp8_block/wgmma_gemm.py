@@ -101,12 +101,12 @@ def _tile_loads(tile, src, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr, KIND: g
 
 
 @gluon.jit
-def _store_rows(c_ptr, stride_cm, row0, row_end, col0, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _store_rows(c_ptr, stride_cm, row0, row_end, col0, col_end, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 num_warps: gl.constexpr):
-    """Stores the [BLOCK_M, BLOCK_N] ``tile`` at (row0, col0) over the rows before ``row_end``, in 16-byte
-    row vectors (the wgmma layout would store 4 bytes per thread)."""
+    """Stores the [BLOCK_M, BLOCK_N] ``tile`` at (row0, col0) over the rows before ``row_end`` and the
+    columns before ``col_end``, in 16-byte row vectors (the wgmma layout would store 4 bytes per thread)."""
     out = gl.convert_layout(tile.to(c_ptr.dtype.element_ty), _row_vectors(num_warps))
-    _store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, out, BLOCK_M, BLOCK_N, num_warps)
+    _store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, col_end, out, BLOCK_M, BLOCK_N, num_warps)
 
 
 @gluon.constexpr_function
@@ -116,15 +116,16 @@ def _row_vectors(num_warps):
 
 
 @gluon.jit
-def _store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, out, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       num_warps: gl.constexpr):
+def _store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, col_end, out, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
     """Stores ``out`` (in :func:`_row_vectors`, ``c``'s dtype) at (row0, col0) over the rows before
-    ``row_end``."""
+    ``row_end`` and the columns before ``col_end`` (``c``'s width: narrower than the tiles where its
+    size is off the 128 grid, see ``padded.py``)."""
     layout: gl.constexpr = _row_vectors(num_warps)
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-    gl.store(ptrs, out, mask=(rows < row_end)[:, None])
+    gl.store(ptrs, out, mask=(rows < row_end)[:, None] & (cols < col_end)[None, :])
 
 
 @gluon.jit

@@ -153,18 +153,20 @@ def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: 
                 if HAS_BIAS:
                     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
                     acc = acc + gl.load(bias_ptr + group * stride_bias_e + cols).to(gl.float32)[None, :]
-            _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, pid_n * BLOCK_N, TMA_STORE,
+            _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, pid_n * BLOCK_N, N, TMA_STORE,
                               num_warps)
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col0, TMA_STORE: gl.constexpr,
+def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col0, col_end, TMA_STORE: gl.constexpr,
                       num_warps: gl.constexpr):
-    """Stores a plain tile's rows before ``row_end`` (the next expert's rows follow). ``TMA_STORE``: through
-    the shared-memory ``staging`` tile, by a TMA store that runs under the next tile's mainloop where
-    the tile is whole, else (an expert's last tile) read back in row vectors and stored masked."""
+    """Stores a plain tile's rows before ``row_end`` (the next expert's rows follow) and its columns before
+    ``col_end`` (c's width). ``TMA_STORE``: through the shared-memory ``staging`` tile, by a TMA store
+    that runs under the next tile's mainloop where the tile's rows are whole (the descriptor has c's
+    width: TMA drops columns past it), else (an expert's last tile) read back in row vectors and
+    stored masked."""
     BLOCK_M: gl.constexpr = acc.shape[0]
     BLOCK_N: gl.constexpr = acc.shape[1]
     if TMA_STORE:
@@ -172,10 +174,10 @@ def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col
         if row0 + BLOCK_M <= row_end:
             tma.async_copy_shared_to_global(c_desc, [row0, col0], staging)
         else:
-            W._store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, staging.load(W._row_vectors(num_warps)),
-                                 BLOCK_M, BLOCK_N, num_warps)
+            W._store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, col_end,
+                                 staging.load(W._row_vectors(num_warps)), BLOCK_M, BLOCK_N, num_warps)
     else:
-        W._store_rows(c_ptr, stride_cm, row0, row_end, col0, acc, BLOCK_M, BLOCK_N, num_warps)
+        W._store_rows(c_ptr, stride_cm, row0, row_end, col0, col_end, acc, BLOCK_M, BLOCK_N, num_warps)
 
 
 @gluon.jit
@@ -190,7 +192,7 @@ def fp8_block_gemm_ws_kernel(
     """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, persistent over the tiles (``CONSUMERS``
     partitions of ``num_warps`` consumer warps each, and the producer). ``c_desc``: ``c`` in boxes of a
     partition's tile, used with ``TMA_STORE``."""
-    num_pid_n = N // b_desc.block_type.shape[0]
+    num_pid_n = gl.cdiv(N, b_desc.block_type.shape[0])  # N: c's width; B's rows cover the last tile
     k_tiles = K // a_desc.block_type.shape[1]
     src = (sched_ptr, MAX_M_TILES * num_pid_n, gl.num_programs(0), MAX_M_TILES, num_pid_n, NUM_GROUPS, B_ROWS,
            k_tiles)
@@ -222,8 +224,8 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
     each on ``num_warps`` warps; experts without tokens store zeros. ``TMA_STORE``: each dw
     tile goes out through a shared-memory staging tile and a TMA store that runs under the next tile's
     mainloop (``dw_desc``: dw as [E * N, K] in boxes of this band's rows). ``params``: the kernel's
-    runtime arguments gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N."""
-    gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N = params
+    runtime arguments gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N, K."""
+    gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N, K = params
     TILE_N: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_K: gl.constexpr = ring[1].block_type.shape[0]
     BLOCK_N: gl.constexpr = TILE_N // BANDS
@@ -245,7 +247,7 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
             _stage(acc, staging)
             tma.async_copy_shared_to_global(dw_desc, [expert * N + row0, pid_k * BLOCK_K], staging)
         else:
-            W._store_rows(dw_ptr + expert.to(gl.int64) * stride_dw_e, stride_dw_n, row0, N, pid_k * BLOCK_K, acc,
+            W._store_rows(dw_ptr + expert.to(gl.int64) * stride_dw_e, stride_dw_n, row0, N, pid_k * BLOCK_K, K, acc,
                           BLOCK_N, BLOCK_K, num_warps)
     if TMA_STORE:
         tma.store_wait(0)
@@ -264,11 +266,12 @@ def fp8_block_wgrad_ws_kernel(
     tiles (``CONSUMERS`` partitions of ``num_warps`` consumer warps each, and the producer); an expert
     has few token blocks (~8 at DSv3), so the producer's loads run into the next tile under this
     tile's last blocks and its store. ``dw_desc``: used with ``TMA_STORE``."""
-    tiles_n = N // g_desc.block_type.shape[0]
-    tiles_k = K // x_desc.block_type.shape[0]
+    # N, K: dw's sizes; the columnwise copies cover the last tiles (zeros past them, see padded.py)
+    tiles_n = gl.cdiv(N, g_desc.block_type.shape[0])
+    tiles_k = gl.cdiv(K, x_desc.block_type.shape[0])
     src = (sched_ptr, (NUM_GROUPS - 1) * tiles_n * tiles_k, gl.num_programs(0), tiles_n, tiles_k, NUM_GROUPS, 0, 0)
     ring = _ring(g_desc, x_desc, xs_desc, NUM_STAGES, True, CONSUMERS)
-    p = (gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N)
+    p = (gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N, K)
     if CONSUMERS == 1:  # as in fp8_block_gemm_ws_kernel
         gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, FIRST_BAND,
                                                CONSUMERS, num_warps)),
@@ -323,8 +326,8 @@ def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, zeros on the padding rows (see
     :mod:`.wgmma_gemm`), ``ctas_per_sm`` persistent programs per SM (0 counts as 1), ``consumers``
     consumer partitions (:func:`_partitions`); ``tma_store``: whole tiles stored by TMA where ``c``
-    allows it (16- or 32-bit floats, 16-byte aligned rows). The caller has checked K % 128 == N % 128
-    == 0 and :func:`.wgmma_gemm.usable`."""
+    allows it (16- or 32-bit floats, 16-byte aligned rows). ``n``: c's width, which B's rows cover in
+    whole tiles. The caller has checked K % 128 == 0 and :func:`.wgmma_gemm.usable`."""
     import triton
 
     from ..schedule import max_m_tiles
@@ -358,14 +361,18 @@ def _wgrad_store_descriptor(dw: torch.Tensor, block_n: int, block_k: int):
 
 def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, *, block_n: int, block_k: int, group_n: int,
                  num_stages: int, num_warps: int, ctas_per_sm: int, tma_store: bool, consumers: int):
-    """``dw[e] = G_e^T @ X_e`` ([E, N, K], 128-multiples) from the columnwise copies of ``g`` and ``x``
+    """``dw[e] = G_e^T @ X_e`` ([E, N, K]) from the columnwise copies of ``g`` and ``x``
     (:class:`~.quantize.QuantizedRows`) in ``block_n`` x ``block_k`` tiles of ``dw``, ``ctas_per_sm``
     persistent programs per SM (0 counts as 1), ``consumers`` consumer partitions
     (:func:`_partitions`); ``tma_store``: dw tiles stored by TMA where dw allows it (contiguous
-    16-bit). The caller (``wgrad.fp8_grouped_wgrad``, from its config) checked the shapes."""
+    16-bit, N and K multiples of the tile: else an expert's last row tile would run into the next
+    expert's rows). The caller (``wgrad.fp8_grouped_wgrad``, from its config) checked the shapes."""
+    import triton
+
     num_experts, n, k = dw.shape
+    tma_store = tma_store and n % block_n == 0 and k % block_k == 0
     ctas_per_sm = max(1, ctas_per_sm)
-    tiles = num_experts * (n // block_n) * (k // block_k)
+    tiles = num_experts * triton.cdiv(n, block_n) * triton.cdiv(k, block_k)
     launch = _partitions(num_warps, consumers, ctas_per_sm, block_n * block_k)
     g_desc = W.descriptor(g.data_t, block_n)
     dw_desc = _wgrad_store_descriptor(dw, block_n // consumers, block_k) if tma_store else None

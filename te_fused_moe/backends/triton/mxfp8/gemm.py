@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_PLAIN, kernel_operands, operand_sources,
-                                   quantized_copies, separate_epilogue, tma_allowed)
+                                   quantized_copies, separate_epilogue, tiled_width, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..operand_tiles import k_block, operand_tiles
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
@@ -368,8 +368,10 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     """One MXFP8 grouped GEMM. ``a`` [T, K] FP8 + ``a_scale`` [T, K/32] uint8; ``b`` [E, rows, K] FP8
     K-major (contiguous) + ``b_scale`` [E, rows, K/32] uint8 (any strides); either operand may instead
     be its BF16 values (``quantize.expand_values``; its scales are then not read). ``n`` output
-    columns (the gate half for gated FC1/DACT). ``q`` (FC1/DACT): an :class:`~.quantize.MXRows` whose present
-    copies are written with ``spec``'s format (the GEMM operands' formats are their dtypes).
+    columns (the gate half for gated FC1/DACT; a plain GEMM's may be off the tile where B's rows
+    cover the last one: its columns past ``n`` are computed, not stored). ``q`` (FC1/DACT): an
+    :class:`~.quantize.MXRows` whose present copies are written with ``spec``'s format (the GEMM
+    operands' formats are their dtypes).
     ``dprob``: FP32 ``[n / block_n, T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
     mode = GEMM_MODES[kind]
     a_bf16, b_bf16 = a.dtype == torch.bfloat16, b.dtype == torch.bfloat16
@@ -377,11 +379,12 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     if (a_bf16 or b_bf16) and not cfg.expand_bf16:
         raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
     num_rows, k = a.shape
-    if k % MX or n % TILE:
+    tiled_n = tiled_width(mode, n, b.shape[1], TILE)
+    if k % MX or tiled_n % TILE:
         raise ValueError(f"MXFP8 GEMM: K={k} must be a multiple of {MX} and N={n} of {TILE}")
     if mode != MODE_PLAIN and cfg.block_n not in (64, 128):
         raise ValueError(f"config: the quantizing epilogues need block_n 64 or 128 (whole 1x32 blocks), got {cfg.block_n}")
-    if n % cfg.block_n:
+    if tiled_n % cfg.block_n:
         raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
     block_k = EXPAND_BLOCK_K if cfg.expand_bf16 else MX
     if k % block_k:

@@ -147,14 +147,15 @@ def quantize_tiles_kernel(
     q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
     qt_ptr, stride_qtk, qts_ptr, stride_qtsb,
     colsum_ptr, stride_cst,
-    sched_ptr, K, NUM_GROUPS,
+    sched_ptr, K, X_COLS, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr,
     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, ``BK`` columns): 1x32 rowwise blocks and, with ``COLWISE``,
     32-token blocks inside the tile (the tile's rows belong to one group); with ``COLSUM`` the tile's
-    FP32 column sums (bias gradients)."""
+    FP32 column sums (bias gradients). ``K`` columns are written, x's first ``X_COLS`` (<= K) read:
+    the rest as zeros."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
@@ -165,7 +166,8 @@ def quantize_tiles_kernel(
     row_ok = rows < row_end
     mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask & (cols < X_COLS)[None, :],
+                other=0.0).to(tl.float32)
     if COLSUM:
         tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0))
     if ROWWISE:
@@ -217,13 +219,18 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: MXSpec, *, rowwise: bool = True,
-                  colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None) -> MXRows:
+                  colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None,
+                  width: Optional[int] = None) -> MXRows:
     """MXFP8-quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x32 along K) and/or columnwise (32 tokens per block, restarting at each expert).
-    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``."""
-    num_rows, k = x.shape
+    ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``.
+    ``width`` (>= K, default K): the copies' width, x zero-padded to it (``padded.py``) without a copy."""
+    x_cols = x.shape[1]
+    num_rows, k = x.shape[0], width or x_cols
     if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
+    if k < x_cols:
+        raise ValueError(f"width: expected at least x's {x_cols} columns, got {k}")
     if k % TILE:
         raise ValueError(f"x: the MXFP8 quantize kernel needs a width that is a multiple of {TILE}, got {k}")
     out = MXRows()
@@ -244,7 +251,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         _codes(out.data_t) if colwise else dummy, out.data_t.stride(0) if colwise else 0,
         out.scale_t if colwise else dummy, out.scale_t.stride(0) if colwise else 0,
         col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
-        schedule, k, num_experts + 1,
+        schedule, k, x_cols, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=TILE, BK=QUANT_COLS,
         num_warps=4 if interpreting() else 8,
     )
