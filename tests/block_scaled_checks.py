@@ -83,7 +83,8 @@ def check_dispatch(recipe, device: str) -> dict:
     """``fused_moe_mlp(backend='triton')`` with a block-scaled FP8 recipe at :data:`DISPATCH_SHAPES`:
     which autograd Function ran (the zero-padded one where a size is not a tile multiple), its output's
     relative error vs ``backend='reference'`` (BF16 ``h``, the default), whether ``backend='auto'``
-    gave the same bits, and the recipe named by the Function's kernels."""
+    gave the same bits, the recipe named by the Function's kernels, and whether y and the gradients
+    are dense in their own sizes (autograd copies a gradient laid out unlike its parameter)."""
     from moe_reference import random_problem, rel_err
 
     from te_fused_moe import fused_moe_mlp
@@ -91,12 +92,17 @@ def check_dispatch(recipe, device: str) -> dict:
     out = {}
     for name, (hidden, ffn) in DISPATCH_SHAPES.items():
         p = random_problem(64, hidden, ffn, 2, activation="swiglu", dtype=torch.bfloat16, device=device, seed=3)
-        run = lambda backend, w1: fused_moe_mlp(p["x"], p["tokens_per_expert"], w1, p["w2"], recipe=recipe,
-                                                backend=backend)
-        y = run("triton", p["w1"].clone().requires_grad_(True))
+        run = lambda backend, x, w1, w2: fused_moe_mlp(x, p["tokens_per_expert"], w1, w2, recipe=recipe,
+                                                       backend=backend)
+        leaves = [p[key].clone().requires_grad_(True) for key in ("x", "w1", "w2")]
+        y = run("triton", *leaves)
+        grads = torch.autograd.grad(y, leaves, torch.randn_like(y))  # as the Function returned them
         out[name] = {"node": type(y.grad_fn).__name__, "kernels": y.grad_fn.kernels.recipe_name,
-                     "err": rel_err(y.detach(), run("reference", p["w1"])),
-                     "auto_same": bool(torch.equal(y.detach(), run("auto", p["w1"]))), "shape": list(y.shape)}
+                     "err": rel_err(y.detach(), run("reference", p["x"], p["w1"], p["w2"])),
+                     "auto_same": bool(torch.equal(y.detach(), run("auto", p["x"], p["w1"], p["w2"]))),
+                     "shape": list(y.shape),
+                     "dense": y.is_contiguous() and all(g.is_contiguous() and g.shape == leaf.shape
+                                                        for g, leaf in zip(grads, leaves))}
     return out
 
 
@@ -107,7 +113,7 @@ def assert_dispatch(d: dict, recipe_name: str, bound: float) -> None:
         r = d[name]
         expected = "BlockScaledExpertMLPBackward" if name == "aligned" else "PaddedExpertMLPBackward"
         assert r["node"] == expected and r["kernels"] == recipe_name, (name, r)
-        assert r["shape"] == [64, hidden] and r["err"] <= bound and r["auto_same"], (name, r)
+        assert r["shape"] == [64, hidden] and r["err"] <= bound and r["auto_same"] and r["dense"], (name, r)
 
 
 @contextlib.contextmanager
