@@ -141,14 +141,16 @@ def sm90_build_report() -> dict:
     from te_fused_moe.backends.triton import glu_rows as G
     from te_fused_moe.backends.triton.act_math import ACT_IDS
 
-    common = dict(ACT=ACT_IDS["gpt_oss_swiglu"], GATED=True, HAS_PROBS=True, BM=G.BLOCK_M, BN=G.BLOCK_N)
+    common = dict(ACT=ACT_IDS["gpt_oss_swiglu"], GATED=True, HAS_PROBS=True, BM=G.BLOCK_M)
     floats = {"alpha": "fp32", "limit": "fp32"}
     return {
         "forward": build_sm90(G.glu_forward_kernel, dict(h_ptr="*bf16", probs_ptr="*fp32", a_ptr="*fp32",
-                                                         sched_ptr="*i32", **floats), common, num_warps=G.NUM_WARPS),
+                                                         sched_ptr="*i32", **floats), dict(common, BN=G.BLOCK_N),
+                               num_warps=G.NUM_WARPS),
         "backward": build_sm90(G.glu_backward_kernel, dict(da_ptr="*bf16", h_ptr="*bf16", probs_ptr="*fp32",
                                                            dh_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32",
-                                                           **floats), dict(common, WRITE_DPROB=True),
+                                                           **floats),
+                                dict(common, WRITE_DPROB=True, BN=G.BACKWARD_BLOCK_N),
                                 num_warps=G.NUM_WARPS),
     }
 

@@ -29,7 +29,10 @@ from .schedule import max_m_tiles, tile_rows, total_tiles
 
 BLOCK_M = 128  # the schedule's M tile
 BLOCK_N = 64
-# 32 values per thread: at 4 warps (64) the backward pass spills ~300 bytes (offline sm_90a build)
+# the backward pass holds gate and up, their gradients and da per unit: 64 units spilled 328 bytes
+# (offline sm_90a build, 8 warps)
+BACKWARD_BLOCK_N = 32
+# 32 values per thread: at 4 warps (64) the backward pass spilled ~300 bytes when it took one column each
 NUM_WARPS = 8
 
 
@@ -69,29 +72,36 @@ def glu_forward_kernel(h_ptr, stride_hm, probs_ptr, a_ptr, stride_am, sched_ptr,
 
 @triton.jit
 def glu_backward_kernel(da_ptr, stride_dam, h_ptr, stride_hm, probs_ptr, dh_ptr, stride_dhm, dprob_ptr,
-                        stride_dprob_part, sched_ptr, F, N1, alpha, limit, NUM_GROUPS, ACT: tl.constexpr,
+                        stride_dprob_part, sched_ptr, F, N1, WIDTH, alpha, limit, NUM_GROUPS, ACT: tl.constexpr,
                         GATED: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
-    """One program per (schedule M tile, ``BN`` columns of ``dh``). Column ``c`` of ``dh`` is the gate
-    gradient of unit ``c`` (``c < F``) or the up gradient of unit ``c - F`` (gated, ``F <= c < 2F``):
-    each program forms both for the units it touches and keeps the one its column holds, so a tile
-    that straddles the gate / up boundary needs nothing from another program."""
+    """One program per (schedule M tile, ``BN`` units), the units' inputs read once: it writes the gate
+    gradients at columns ``unit`` of ``dh`` and (gated) the up gradients at ``F + unit``, wherever F
+    falls against the tiles. The programs past ``cdiv(F, BN)`` write the zeros of columns
+    ``[N1, WIDTH)`` (N1 = 2F gated, else F)."""
     if tl.program_id(0) >= total_tiles(sched_ptr, NUM_GROUPS):
         return
     rows, in_tile, live = _tile_rows(sched_ptr, NUM_GROUPS, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    is_gate = cols < F
-    unit = tl.where(is_gate, cols, cols - F)
-    valid = live[:, None] & (cols < N1)[None, :]
-    da = tl.load(da_ptr + rows[:, None] * stride_dam + unit[None, :], mask=valid, other=0.0).to(tl.float32)
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + unit[None, :]
-    g, u = load_gate_up(h_ptrs, F, valid, GATED)
+    unit_blocks = tl.cdiv(F, BN)
+    if tl.program_id(1) >= unit_blocks:
+        cols = N1 + (tl.program_id(1) - unit_blocks) * BN + tl.arange(0, BN)
+        tl.store(dh_ptr + rows[:, None] * stride_dhm + cols[None, :], tl.zeros((BM, BN), tl.float32),
+                 mask=in_tile[:, None] & (cols < WIDTH)[None, :])
+        return
+    units = tl.program_id(1) * BN + tl.arange(0, BN)
+    unit_ok = units < F
+    valid = live[:, None] & unit_ok[None, :]
+    da = tl.load(da_ptr + rows[:, None] * stride_dam + units[None, :], mask=valid, other=0.0).to(tl.float32)
+    g, u = load_gate_up(h_ptr + rows[:, None] * stride_hm + units[None, :], F, valid, GATED)
     p = _router_probs(probs_ptr, rows, live, HAS_PROBS, BM)
     dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
-    dh = tl.where(valid, tl.where(is_gate[None, :], dg, du), 0.0)
-    tl.store(dh_ptr + rows[:, None] * stride_dhm + cols[None, :], dh, mask=in_tile[:, None])
-    if WRITE_DPROB:  # each unit once: at its gate column
-        part = tl.sum(tl.where(valid & is_gate[None, :], da * value, 0.0), axis=1)
+    out = dh_ptr + rows[:, None] * stride_dhm + units[None, :]
+    stored = in_tile[:, None] & unit_ok[None, :]
+    tl.store(out, tl.where(valid, dg, 0.0), mask=stored)
+    if GATED:
+        tl.store(out + F, tl.where(valid, du, 0.0), mask=stored)
+    if WRITE_DPROB:
+        part = tl.sum(tl.where(valid, da * value, 0.0), axis=1)
         tl.store(dprob_ptr + tl.program_id(1) * stride_dprob_part + rows, part, mask=in_tile)
 
 
@@ -120,15 +130,16 @@ def glu_backward(da: torch.Tensor, h: torch.Tensor, ffn: int, schedule: torch.Te
     ``a``'s columns); ``dprob`` ``[T]`` FP32 (summed over column tiles in a fixed order) if
     ``want_dprob``, else None."""
     num_rows, width = h.shape
-    units = 2 * ffn if act["gated"] else ffn
+    n1 = 2 * ffn if act["gated"] else ffn
     dh = alloc((num_rows, width), device=h.device, dtype=torch.float32)
-    grid = _grid(num_rows, num_experts, width)
-    parts = alloc((grid[1], num_rows), device=h.device, dtype=torch.float32) if want_dprob else None
+    unit_blocks = triton.cdiv(ffn, BACKWARD_BLOCK_N)
+    grid = (max_m_tiles(num_rows, num_experts, BLOCK_M), unit_blocks + triton.cdiv(width - n1, BACKWARD_BLOCK_N))
+    parts = alloc((unit_blocks, num_rows), device=h.device, dtype=torch.float32) if want_dprob else None
     if num_rows:
         glu_backward_kernel[grid](
             da, da.stride(0), h, h.stride(0), probs if probs is not None else h, dh, dh.stride(0),
-            parts if want_dprob else dh, parts.stride(0) if want_dprob else 0, schedule, ffn, units,
+            parts if want_dprob else dh, parts.stride(0) if want_dprob else 0, schedule, ffn, n1, width,
             float(act["alpha"]), float(act["limit"]), num_experts + 1, ACT=ACT_IDS[act["activation"]],
             GATED=bool(act["gated"]), HAS_PROBS=probs is not None, WRITE_DPROB=want_dprob, BM=BLOCK_M,
-            BN=BLOCK_N, num_warps=NUM_WARPS)
+            BN=BACKWARD_BLOCK_N, num_warps=NUM_WARPS)
     return dh, (parts.sum(0) if want_dprob else None)
