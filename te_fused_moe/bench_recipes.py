@@ -70,25 +70,31 @@ def recipe_kernels(recipe: str):
 
 class BlockScaledUnfused(torch.autograd.Function):
     """A block-scaled recipe without fusion: quantize kernels + plain grouped GEMMs + PyTorch activation.
-    The GEMMs read their operands as the fused path does (the recipe's ``operand_reader``)."""
+    The GEMMs read their operands as the fused path does (the recipe's ``operand_reader``). Sizes off
+    the 128 grid (GPT-OSS's 2880) run as the fused path's ``padded.py`` runs them: weights quantized
+    zero-padded, x / a / dy / dh quantized to the padded width, results stored in their own sizes."""
 
     @staticmethod
     def forward(ctx, x, counts, w1, w2, activation, recipe):
+        from .backends.triton.padded import padded_size
         from .backends.triton.schedule import build_schedule
 
         k, spec = recipe_kernels(recipe)
         act = ActivationConfig(activation)
         T, H = x.shape
         E, n1, _ = w1.shape
+        F = w2.shape[2]
+        H_p, n1_p, F_p = (padded_size(size, k.tile) for size in (H, n1, F))
         sched = build_schedule(counts, T, k.tile)
         read = k.operand_reader()
-        w1q, w2q = k.weight_cache.get(w1, spec), k.weight_cache.get(w2, spec)
-        xq = k.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True)
-        h = torch.empty(T, n1, device=x.device, dtype=x.dtype)
-        k.gemm.launch("fc2", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, n1, sched, E,
+        w1q = k.weight_cache.get(w1, spec, padded_to=(E, n1_p, H_p) if (n1_p, H_p) != (n1, H) else None)
+        w2q = k.weight_cache.get(w2, spec, padded_to=(E, H_p, F_p) if (H_p, F_p) != (H, F) else None)
+        xq = k.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, width=H_p)
+        h = torch.empty(T, n1_p, device=x.device, dtype=x.dtype)
+        k.gemm.launch("fc2", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, n1_p, sched, E,
                       spec, c=h)
-        a = act.forward(h.float()).to(x.dtype)
-        aq = k.quantize_rows(a, sched, E, spec, rowwise=True, colwise=True)
+        a = act.forward(h[:, :n1].float()).to(x.dtype)
+        aq = k.quantize_rows(a, sched, E, spec, rowwise=True, colwise=True, width=F_p)
         y = torch.empty(T, H, device=x.device, dtype=x.dtype)
         k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, H, sched, E,
                       spec, c=y)
@@ -98,6 +104,8 @@ class BlockScaledUnfused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from .backends.triton.padded import padded_size
+
         h, w1, w2 = ctx.saved_tensors
         k, read, sched, w1q, w2q, xq, aq, act, spec = ctx.state
         cols = lambda q: k.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
@@ -105,12 +113,12 @@ class BlockScaledUnfused(torch.autograd.Function):
         T, H = dy.shape
         E, n1, _ = w1.shape
         F = w2.shape[2]
-        dyq = k.quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True)
+        dyq = k.quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True, width=padded_size(H, k.tile))
         da = torch.empty(T, F, device=dy.device, dtype=dy.dtype)
         k.gemm.launch("dgrad", read(dyq.data, dyq.scale), dyq.scale, read(w2q.data_t, w2q.scale_t), w2q.scale_t, F,
                       sched, E, spec, c=da)
-        dh = act.backward(h.float(), da.float()).to(dy.dtype)
-        dhq = k.quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True)
+        dh = act.backward(h[:, :n1].float(), da.float()).to(dy.dtype)
+        dhq = k.quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True, width=h.shape[1])
         dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
         k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(w1q.data_t, w1q.scale_t), w1q.scale_t, H,
                       sched, E, spec, c=dx)

@@ -179,3 +179,30 @@ def bench_unfused_vs_fused(recipe: str, p, device) -> dict:
         outs[name] = {"y": y, "x": x.grad, "w1": w1.grad, "w2": w2.grad}
     unfused, fused = outs[f"{recipe}_unfused"], outs[f"{recipe}_fused"]
     return {k: rel_err(unfused[k], fused[k]) for k in fused}
+
+
+# the benchmark baseline's sizes: tile multiples, and sizes off the tile (run zero-padded, as padded.py)
+BENCH_BASELINE_SHAPES = {"aligned": (256, 128), "padded": (200, 72)}
+
+
+def check_bench_baseline(recipe: str, device: str) -> dict:
+    """:func:`bench_unfused_vs_fused` at :data:`BENCH_BASELINE_SHAPES` (300 tokens, 3 experts, one of
+    them empty, every row routed as the benchmark routes them)."""
+    from moe_reference import random_problem
+
+    out = {}
+    for name, (hidden, ffn) in BENCH_BASELINE_SHAPES.items():
+        p = random_problem(300, hidden, ffn, 3, dtype=torch.bfloat16, device=device, routing="empty", padding=0,
+                           seed=2)
+        p["tokens_per_expert"][-1] += p["x"].shape[0] - int(p["tokens_per_expert"].sum())
+        out[name] = bench_unfused_vs_fused(recipe, p, device)
+    return out
+
+
+def assert_bench_baseline(res: dict) -> None:
+    """The unfused baseline computes the fused path's recipe at every size, up to rounding ``a`` and
+    ``dh`` to BF16 before their quantize kernels, which moves a few FP8 codes (~1.7e-2 seen)."""
+    assert set(res) == set(BENCH_BASELINE_SHAPES), res
+    for name, errs in res.items():
+        assert set(errs) == {"y", "x", "w1", "w2"}, (name, errs)
+        assert all(0 < e < 5e-2 for e in errs.values()), (name, errs)
