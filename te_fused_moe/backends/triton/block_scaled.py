@@ -135,6 +135,14 @@ def backward_needs(need, probs) -> tuple:
     return want_dprob, need[0] or need[2] or need[4] or want_dprob
 
 
+def keep_for_backward(ctx, x, w1, w2, probs, h, schedule, w1q, w2q) -> None:
+    """What every block-scaled Function's backward reads: w1, w2, probs and h saved, x's shape (x itself
+    is not kept: backward reads only its columnwise copy), the schedule and the quantized weights."""
+    ctx.save_for_backward(w1, w2, probs, h)
+    ctx.x_shape = x.shape
+    ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+
+
 def keep_columnwise(ctx, kernels: "RecipeKernels", xq, aq) -> None:
     """Keeps for backward only the columnwise copies of ``x`` and ``a`` (the wgrads' operands)."""
     ctx.x_cols = kernels.rows(data_t=xq.data_t, scale_t=xq.scale_t)
@@ -182,10 +190,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
                       probs=probs, **act)
         k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, hidden,
                       schedule, num_experts, spec, c=y, bias=b2)
-        # x itself is not kept: backward reads only its columnwise FP8 copy (and x's shape)
-        ctx.save_for_backward(w1, w2, probs, h)
-        ctx.x_shape = x.shape
-        ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+        keep_for_backward(ctx, x, w1, w2, probs, h, schedule, w1q, w2q)
         keep_columnwise(ctx, k, xq, aq)
         return y
 

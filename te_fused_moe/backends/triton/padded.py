@@ -38,8 +38,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import block_scaled
-from .block_scaled import (backward_needs, empty_input_grads, expert_sums, keep_columnwise, mlp_sizes, new_buffer,
-                           wgrad_operand)
+from .block_scaled import (backward_needs, empty_input_grads, expert_sums, keep_columnwise, keep_for_backward,
+                           mlp_sizes, new_buffer, wgrad_operand)
 from .glu_rows import glu_backward, glu_forward
 from .schedule import build_schedule, max_m_tiles
 
@@ -86,9 +86,7 @@ class PaddedExpertMLP(torch.autograd.Function):
         y = new_buffer((num_rows, hidden), x)
         k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, hidden,
                       schedule, num_experts, spec, c=y, bias=zero_padded(b2, (num_experts, hidden_p)))
-        ctx.save_for_backward(w1, w2, probs, h)
-        ctx.x_shape = x.shape
-        ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+        keep_for_backward(ctx, x, w1, w2, probs, h, schedule, w1q, w2q)
         keep_columnwise(ctx, k, xq, aq)
         return y
 

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from .. import block_scaled
-from ..block_scaled import backward_needs, empty_input_grads, expert_sums, mlp_sizes, new_buffer
+from ..block_scaled import backward_needs, empty_input_grads, expert_sums, keep_for_backward, mlp_sizes, new_buffer
 from ..fp8_block.wgrad import tile_sums_to_experts
 from ..schedule import build_schedule, max_m_tiles
 from . import gemm
@@ -97,9 +97,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         aq = quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=block_scaled.ALLOC)
         gemm.launch("fc2", gemm_rows(aq, expand, rowwise=True), gemm_weight(w2q, expand, False), hidden, schedule,
                     num_experts, c=y, bias=b2)
-        ctx.save_for_backward(w1, w2, probs, h)
-        ctx.x_shape = x.shape
-        ctx.schedule, ctx.w1q, ctx.w2q = schedule, w1q, w2q
+        keep_for_backward(ctx, x, w1, w2, probs, h, schedule, w1q, w2q)
         ctx.xq, ctx.aq = xq, aq  # backward reads their columnwise copies
         return y
 
