@@ -62,6 +62,16 @@ def tiled_width(mode: int, n: int, b_rows: int, tile: int) -> int:
     return rounded if mode == MODE_PLAIN and b_rows >= rounded else n
 
 
+def copies_width(x: torch.Tensor, width: Optional[int]) -> int:
+    """The width of a quantize pass's copies of ``x`` [T, K]: ``width`` (>= K: x read as zero-padded to
+    it, ``padded.py``) or K."""
+    if width is None:
+        return x.shape[1]
+    if width < x.shape[1]:
+        raise ValueError(f"width: expected at least x's {x.shape[1]} columns, got {width}")
+    return width
+
+
 def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: torch.Tensor, b_scale: torch.Tensor,
                     b_up_rows: int, c=None, q=None, q_up_offset: int = 0, h=None, h_up_offset: int = 0, bias=None,
                     bias_up_offset: int = 0, probs=None, dprob=None, dbias=None) -> tuple:

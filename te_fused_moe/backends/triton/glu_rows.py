@@ -29,10 +29,9 @@ from .schedule import max_m_tiles, tile_rows, total_tiles
 
 BLOCK_M = 128  # the schedule's M tile
 BLOCK_N = 64
-# the backward pass holds gate and up, their gradients and da per unit: 64 units spilled 328 bytes
-# (offline sm_90a build, 8 warps)
+# the backward pass holds gate, up, da and both gradients of each unit: 64 units per program spilled
+# 328 bytes (offline sm_90a build, 8 warps)
 BACKWARD_BLOCK_N = 32
-# 32 values per thread: at 4 warps (64) the backward pass spilled ~300 bytes when it took one column each
 NUM_WARPS = 8
 
 

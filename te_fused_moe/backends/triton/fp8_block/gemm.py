@@ -397,8 +397,8 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     """One FP8 grouped GEMM. ``a`` [T, K] FP8 + ``a_scale`` [T, K/128]; ``b`` [E, rows, K] FP8 K-major
     (contiguous) + ``b_scale`` [E, rows/128, K/128] (any strides); ``n`` output columns (the gate
     half for gated FC1/DACT; a plain GEMM's may be off the tile where B's rows cover the last one:
-    its columns past ``n`` are computed, not stored). ``q`` (FC1/DACT): a :class:`~.quantize.QuantizedRows` whose present
-    copies are written. ``dprob``: FP32 ``[cdiv(n, BN), T]`` partials; ``dbias``: FP32
+    its columns past ``n`` are computed, not stored). ``q`` (FC1/DACT): a
+    :class:`~.quantize.QuantizedRows` whose present copies are written. ``dprob``: FP32 ``[cdiv(n, BN), T]`` partials; ``dbias``: FP32
     ``[max_m_tiles, width]`` per-tile column sums of ``dh``."""
     mode = GEMM_MODES[kind]
     cfg = config or default_config(kind)

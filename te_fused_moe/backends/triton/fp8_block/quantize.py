@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..block_scaled_launch import copies_width
 from ..grouped_gemm import interpreting, register_cap
 from ..schedule import max_m_tiles, tile_rows, total_tiles
 from .codec import block_scale, encode_fp8, nan_free_abs
@@ -200,12 +201,10 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     rowwise (1x128 along K) and/or columnwise (128 tokens per block, restarting at each expert).
     ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``.
     ``width`` (>= K, default K): the copies' width, x zero-padded to it (``padded.py``) without a copy."""
-    x_cols = x.shape[1]
-    num_rows, k = x.shape[0], width or x_cols
+    num_rows, x_cols = x.shape
+    k = copies_width(x, width)
     if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
-    if k < x_cols:
-        raise ValueError(f"width: expected at least x's {x_cols} columns, got {k}")
     out = QuantizedRows()
     if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
         return out

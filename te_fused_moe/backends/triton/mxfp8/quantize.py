@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..block_scaled_launch import copies_width
 from ..fp8_block.codec import encode_fp8, nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
@@ -225,12 +226,10 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     rowwise (1x32 along K) and/or columnwise (32 tokens per block, restarting at each expert).
     ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``.
     ``width`` (>= K, default K): the copies' width, x zero-padded to it (``padded.py``) without a copy."""
-    x_cols = x.shape[1]
-    num_rows, k = x.shape[0], width or x_cols
+    num_rows, x_cols = x.shape
+    k = copies_width(x, width)
     if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
-    if k < x_cols:
-        raise ValueError(f"width: expected at least x's {x_cols} columns, got {k}")
     if k % TILE:
         raise ValueError(f"x: the MXFP8 quantize kernel needs a width that is a multiple of {TILE}, got {k}")
     out = MXRows()
