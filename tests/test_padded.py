@@ -85,6 +85,26 @@ def test_backend_routes_gpt_oss_sizes_to_triton_for_fp8_recipes_only():
     assert not verdicts["NVFP4BlockScaling"] and "got 2880" in verdicts["NVFP4BlockScaling"].reason, verdicts
 
 
+def test_fc1_off_the_tile_runs_its_epilogue_alone_or_the_passes():
+    """FC1 at an F off the tile needs the epilogue alone: a launch asking for the one-kernel epilogue is
+    refused with the reason, and padded.py takes the GLU passes while FC1_EPILOGUE says "fused"."""
+    from te_fused_moe.backends.triton.fp8_block import gemm
+    from te_fused_moe.backends.triton.fp8_block.autograd import KERNELS
+    from te_fused_moe.backends.triton.fp8_block.quantize import FP8Spec
+
+    a = torch.empty(16, 128, dtype=torch.float8_e4m3fn)
+    b = torch.empty(2, 256, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"N=80 off the 128 tile runs its epilogue alone; epilogue='fused'"):
+        gemm.launch("fc1", a, torch.ones(16, 1), b, torch.ones(2, 2, 1), 80, torch.zeros(64, dtype=torch.int32), 2,
+                    FP8Spec.of("e4m3", True), b_up_rows=80, config=gemm.FP8GemmConfig(epilogue="fused"))
+    assert KERNELS.fc1_off_tile()
+    gemm.FC1_EPILOGUE = "fused"
+    try:
+        assert not KERNELS.fc1_off_tile()
+    finally:
+        gemm.FC1_EPILOGUE = "auto"
+
+
 # --- the GLU passes under the interpreter ----------------------------------------------------------
 
 # (activation, T, F, width of h, experts, padding rows)
@@ -134,6 +154,67 @@ def check_glu_passes(device: str, seed: int = 0) -> dict:
     return out
 
 
+# (activation, T, H, F, experts, padding rows): F off the tile, the gate / up boundary inside a tile
+FC1_CASES = [("swiglu", 260, 192, 80, 3, 5), ("gpt_oss_swiglu", 200, 128, 136, 4, 9), ("srelu", 150, 96, 72, 2, 7)]
+
+
+def check_fc1_epilogue_off_tile(device: str, seed: int = 0) -> dict:
+    """Per case and epilogue input (h's dtype, or the FP32 accumulator): the FP8 block FC1 epilogue at an
+    F off the tile (what padded.py runs) against the plain GEMM + GLU pass + quantize pass that the
+    other recipes run there, on the same poisoned buffers: bytes and scales that differ (both copies),
+    codes left unwritten (NaN) or not zero past F, and gate / up columns of h that differ."""
+    from moe_reference import make_counts
+
+    from te_fused_moe.activations import ActivationConfig
+    from te_fused_moe.backends.triton.fp8_block import gemm
+    from te_fused_moe.backends.triton.fp8_block.quantize import FP8Spec, new_rows, quantize_rows, quantize_weight
+    from te_fused_moe.backends.triton.glu_rows import glu_forward
+    from te_fused_moe.backends.triton.padded import padded_size, zero_padded
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    poisoned = lambda shape, device, dtype: torch.full(shape, float("nan"), device=device, dtype=dtype)
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+    spec = FP8Spec.of("e4m3", True)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, T, H, F, E, padding in FC1_CASES:
+        act = ActivationConfig(name).launch_args
+        n1 = 2 * F if act["gated"] else F
+        H_p, n1_p, F_p = padded_size(H, 128), padded_size(n1, 128), padded_size(F, 128)
+        counts = make_counts(T, E, "empty", generator=g, padding=padding)
+        schedule = build_schedule(counts.to(device), T, 128)
+        x = torch.randn(T, H, generator=g).to(device=device, dtype=torch.bfloat16)
+        w1 = zero_padded(torch.randn(E, n1, H, generator=g) * 0.1, (E, n1_p, H_p)).to(device=device,
+                                                                                      dtype=torch.bfloat16)
+        b1 = zero_padded(torch.randn(E, n1, generator=g), (E, n1_p)).to(device=device, dtype=torch.bfloat16)
+        probs = (torch.rand(T, generator=g) + 0.1).to(device)
+        xq = quantize_rows(x, schedule, E, spec, alloc=poisoned, width=H_p)
+        w1q = quantize_weight(w1, spec, transposed=False)
+        for input_dtype in (None, torch.float32):
+            gemm.EPILOGUE_INPUT_DTYPE = input_dtype
+            try:
+                h = poisoned((T, n1_p), device, torch.bfloat16)
+                fused = new_rows(T, F_p, x, spec, E, True, True, poisoned)
+                gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, schedule, E, spec, q=fused, h=h,
+                            h_up_offset=F, b_up_rows=F, bias=b1, bias_up_offset=F, probs=probs, **act)
+            finally:
+                gemm.EPILOGUE_INPUT_DTYPE = None
+            # the same values through the passes: act of h, or of the FP32 GEMM output the epilogue read
+            h_in = poisoned((T, n1_p), device, input_dtype or torch.bfloat16)
+            gemm.launch("fc2", xq.data, xq.scale, w1q.data, w1q.scale, n1_p, schedule, E, spec, c=h_in, bias=b1)
+            a = glu_forward(h_in, F, F_p, schedule, E, probs, act, poisoned)
+            passes = quantize_rows(a, schedule, E, spec, colwise=True, alloc=poisoned)
+            key = f"{name}-{'fp32' if input_dtype else 'h'}"
+            out[key] = {
+                part: int((bits(getattr(fused, part)) != bits(getattr(passes, part))).sum())
+                for part in ("data", "scale", "data_t", "scale_t")}
+            codes = fused.data.view(torch.uint8)
+            out[key]["unwritten"] = int((codes == 0x7F).sum() + torch.isnan(fused.scale).sum())
+            out[key]["nonzero_past_f"] = int((codes[:, F:] != 0).sum())
+            out[key]["h"] = int((bits(h[:, :n1]) != bits(h_in[:, :n1].to(torch.bfloat16))).sum())
+    return out
+
+
 def sm90_build_report() -> dict:
     """Offline sm_90a builds of both GLU passes (tests/sm90_build.py), gated with router probs."""
     from sm90_build import build_sm90
@@ -169,7 +250,7 @@ def _worker() -> None:
 
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-    print("RESULTS" + json.dumps({"glu": check_glu_passes("cpu")}))
+    print("RESULTS" + json.dumps({"glu": check_glu_passes("cpu"), "fc1": check_fc1_epilogue_off_tile("cpu")}))
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +264,14 @@ def test_glu_passes_match_fp64(results, case):
     assert r["nan"] == 0 and r["nonzero"] == 0, r
     assert r["a"] <= 1e-5 and r["dh"] <= 1e-5 and r["dprob"] <= 1e-5, r
     assert r["padding_rows"] > 0 or case[5] == 0, r
+
+
+@pytest.mark.parametrize("case", [f"{c[0]}-{i}" for c in FC1_CASES for i in ("h", "fp32")])
+def test_fp8_block_fc1_epilogue_off_the_tile_equals_the_passes(results, case):
+    """padded.py's FP8 block FC1 (the epilogue alone at F off the tile) writes the bytes and scales the
+    plain GEMM + GLU pass + quantize pass write, both copies, zero codes past F."""
+    r = results["fc1"][case]
+    assert all(r[k] == 0 for k in ("data", "scale", "data_t", "scale_t", "unwritten", "nonzero_past_f", "h")), r
 
 
 def test_glu_cases_cover_straddling_tiles():

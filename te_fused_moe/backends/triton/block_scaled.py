@@ -75,6 +75,10 @@ class RecipeKernels:
     specs_of: Callable
     unsupported: Callable
     operand_reader: Callable = lambda: as_quantized
+    # whether gemm.launch("fc1") takes an FFN size off the tile now (its epilogue alone, reading h's gate
+    # and up halves wherever F falls): the zero-padded path then forms and quantizes ``a`` there
+    # (:mod:`.padded`), else in passes of its own
+    fc1_off_tile: Callable[[], bool] = lambda: False
 
     def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
         """None if the kernels take these sizes as they are (whole tiles along every reduction), else why

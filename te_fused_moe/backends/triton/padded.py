@@ -12,10 +12,13 @@ zero-padded operands and returns the unpadded part of each result:
 - ``x`` and ``dy`` are quantized as if zero-padded to ``[T, H']`` (the quantize pass reads their ``H``
   columns and writes ``H'``, ``width=``): the zero columns quantize to zero codes and add nothing to
   any GEMM.
-- FC1 runs as the plain GEMM over all of w1's rows (``h [T, n1']``, b1 added), and the activation is a
-  pass of its own (:mod:`.glu_rows`) that pairs gate column ``j`` with up column ``F + j`` wherever F
-  falls against the tiles; its FP32 output ``a [T, F']`` (zeros past F) goes through the recipe's
-  quantize pass. Backward likewise: the dGLU's GEMM writes ``da [T, F']``, the dGLU pass writes
+- FC1 runs as the plain GEMM over all of w1's rows (``h [T, n1']``, b1 added). The activation pairs
+  gate column ``j`` with up column ``F + j`` wherever F falls against the tiles: where the recipe's
+  FC1 epilogue can run alone at such an F (``fc1_off_tile``: FP8 block, unless its
+  ``FC1_EPILOGUE`` is "fused"), it reads h that way and writes ``a [T, F']`` quantized (zero codes
+  past F); otherwise a pass of its own (:mod:`.glu_rows`) writes ``a`` in FP32 for the recipe's
+  quantize pass (MXFP8). Backward: the dGLU's GEMM writes
+  ``da [T, F']``, the dGLU pass writes
   ``dh`` in h's own layout, and the quantize pass blocks it along all of w1's rows, as TE's dgrad and
   wgrad see it. The values quantized are those the tile-aligned path's separate epilogues quantize
   (``a = act(h)`` of the saved h; ``da`` in ``EPILOGUE_INPUT_DTYPE`` or h's dtype).
@@ -26,8 +29,9 @@ zero-padded operands and returns the unpadded part of each result:
   H100 with the five copies this path used to make.)
 
 What it costs against the tile-aligned path (:mod:`.block_scaled`, whose FC1 / dGLU epilogues form
-and quantize ``a`` / ``dh`` in the GEMM kernels): ``a`` and ``dh`` written and read once more in FP32
-for their quantize passes; GEMMs over the padded sizes. Still no
+and quantize ``a`` / ``dh`` in the GEMM kernels): ``dh`` (and MXFP8's ``a``) written and read once
+more in FP32 for its quantize pass; GEMMs over the padded sizes. (dh cannot be quantized where it is
+formed: its 1x128 blocks along w1's rows straddle the gate / up boundary when F % 128 != 0.) Still no
 host reads of device data: sync-free and graph-capturable like the rest of the backend.
 """
 
@@ -78,11 +82,16 @@ class PaddedExpertMLP(torch.autograd.Function):
         xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=alloc,
                              width=hidden_p)
         h = new_buffer((num_rows, n1_p), x, block_scaled.H_DTYPE or x.dtype)
-        k.gemm.launch("fc2", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, n1_p, schedule,
-                      num_experts, spec, c=h, bias=zero_padded(b1, (num_experts, n1_p)))
-        a = glu_forward(h, ffn, ffn_p, schedule, num_experts, probs, ctx.act, alloc)
-        aq = k.quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=alloc)
-        del a
+        x_op, w1_op, b1_p = read(xq.data, xq.scale), read(w1q.data, w1q.scale), zero_padded(b1, (num_experts, n1_p))
+        if k.fc1_off_tile():
+            aq = k.new_rows(num_rows, ffn_p, x, spec, num_experts, True, need[3], alloc)
+            k.gemm.launch("fc1", x_op, xq.scale, w1_op, w1q.scale, ffn, schedule, num_experts, spec, q=aq, h=h,
+                          h_up_offset=ffn, b_up_rows=ffn, bias=b1_p, bias_up_offset=ffn, probs=probs, **ctx.act)
+        else:
+            k.gemm.launch("fc2", x_op, xq.scale, w1_op, w1q.scale, n1_p, schedule, num_experts, spec, c=h, bias=b1_p)
+            a = glu_forward(h, ffn, ffn_p, schedule, num_experts, probs, ctx.act, alloc)
+            aq = k.quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=alloc)
+            del a
         y = new_buffer((num_rows, hidden), x)
         k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, hidden,
                       schedule, num_experts, spec, c=y, bias=zero_padded(b2, (num_experts, hidden_p)))

@@ -254,10 +254,12 @@ def fp8_grouped_gemm_kernel(
     if ACC_IN:
         # the epilogue alone, on the output another kernel wrote ([T, B's rows] in c; with ACC_IS_H, c
         # is h itself, bias included)
+        # (columns masked at N: FC1 at an F off the tile, whose up half starts at column F of h)
         acc_ptrs = row_block(c_ptr, a_row.to(tl.int64), stride_cm, pid_n * BN, BM) + tl.arange(0, BN)[None, :]
-        acc = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        acc_mask = row_ok[:, None] & (pid_n * BN + tl.arange(0, BN) < N)[None, :]
+        acc = tl.load(acc_ptrs, mask=acc_mask, other=0.0).to(tl.float32)
         if GATED and MODE == 1:
-            acc_up = tl.load(acc_ptrs + b_up_rows, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            acc_up = tl.load(acc_ptrs + b_up_rows, mask=acc_mask, other=0.0).to(tl.float32)
     else:
         k_tiles = tl.where(is_padding, 0, K // BK)
         for kt in range(0, k_tiles):
@@ -320,6 +322,8 @@ def fp8_grouped_gemm_kernel(
             p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
             value = value * p[:, None]
         value = tl.where(is_padding, 0.0, value)
+        if ACC_IN:
+            value = tl.where(col_ok[None, :], value, 0.0)  # zero codes past an F off the tile
         if SPLIT_EPILOGUE:
             # quantize in two 64-column halves (columnwise blocks are per column; the rowwise amax
             # spans both): less live FP32 state next to the transposed store
@@ -397,16 +401,24 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     """One FP8 grouped GEMM. ``a`` [T, K] FP8 + ``a_scale`` [T, K/128]; ``b`` [E, rows, K] FP8 K-major
     (contiguous) + ``b_scale`` [E, rows/128, K/128] (any strides); ``n`` output columns (the gate
     half for gated FC1/DACT; a plain GEMM's may be off the tile where B's rows cover the last one:
-    its columns past ``n`` are computed, not stored). ``q`` (FC1/DACT): a
+    its columns past ``n`` are computed, not stored; FC1's may be too, B's rows padded to whole tiles
+    with the up half at ``b_up_rows`` = n: its epilogue then runs alone and writes zero codes past
+    ``n``, padded.py). ``q`` (FC1/DACT): a
     :class:`~.quantize.QuantizedRows` whose present copies are written. ``dprob``: FP32 ``[cdiv(n, BN), T]`` partials; ``dbias``: FP32
     ``[max_m_tiles, width]`` per-tile column sums of ``dh``."""
     mode = GEMM_MODES[kind]
     cfg = config or default_config(kind)
     num_rows, k = a.shape
-    if k % BLOCK or tiled_width(mode, n, b.shape[1], BLOCK) % BLOCK:
+    # FC1 with F off the tile (padded.py): the GEMM over all of B's rows, then the epilogue alone
+    fc1_off_tile = mode == MODE_FC1 and n % BLOCK != 0
+    width = b.shape[1] if fc1_off_tile else tiled_width(mode, n, b.shape[1], BLOCK)
+    if k % BLOCK or width % BLOCK:
         raise ValueError(f"FP8 block GEMM: K={k} and N={n} must be multiples of {BLOCK}")
     if mode != MODE_PLAIN and cfg.block_n != BLOCK:
         raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")
+    if fc1_off_tile and (cfg.epilogue or FC1_EPILOGUE) == "fused":
+        raise ValueError(f"config: FC1 with N={n} off the {BLOCK} tile runs its epilogue alone; epilogue='fused' "
+                         "cannot (its K loop finds the up half's weight blocks at whole tiles only)")
     if mode == MODE_PLAIN and _plain_on_gluon(cfg, a, b):
         from .wgmma_ws import launch_plain
 
@@ -414,7 +426,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
                             num_stages=cfg.num_stages, ctas_per_sm=cfg.ctas_per_sm,
                             consumers=PLAIN_CONSUMERS if cfg.consumers is None else cfg.consumers,
                             tma_store=PLAIN_TMA_STORE if cfg.tma_store is None else cfg.tma_store)
-    acc_in = mode != MODE_PLAIN and _separate_epilogue(kind, cfg, a, b)
+    acc_in = mode != MODE_PLAIN and (fc1_off_tile or _separate_epilogue(kind, cfg, a, b))
     acc_is_h = False
     if acc_in:
         # the GEMM alone (all of B's rows: FC1's gate and up halves) with the fastest plain kernel,
