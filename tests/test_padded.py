@@ -158,23 +158,47 @@ def check_glu_passes(device: str, seed: int = 0) -> dict:
 FC1_CASES = [("swiglu", 260, 192, 80, 3, 5), ("gpt_oss_swiglu", 200, 128, 136, 4, 9), ("srelu", 150, 96, 72, 2, 7)]
 
 
+def _poisoned(shape, device, dtype):
+    """A buffer of NaN (FP8: the NaN code; uint8 E8M0 scales: 0xFF, E8M0's NaN)."""
+    t = torch.empty(shape, device=device, dtype=dtype)
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0xFF)
+
+
+def _unwritten(t: torch.Tensor) -> int:
+    """Elements of ``t`` still holding :func:`_poisoned`'s value."""
+    if t.element_size() == 1:
+        return int((t.view(torch.uint8) == (0xFF if t.dtype == torch.uint8 else 0x7F)).sum())
+    return int(torch.isnan(t).sum())
+
+
+def _fc1_variants():
+    """(name, recipe kernels, spec, h's dtype, the FP8 block EPILOGUE_INPUT_DTYPE): FP8 block's epilogue
+    alone reading BF16 h or the FP32 GEMM output; MXFP8's one kernel, its h in FP32 (the passes then
+    act on the accumulator's values too)."""
+    from te_fused_moe.backends.triton.fp8_block.autograd import KERNELS as FP8_BLOCK
+    from te_fused_moe.backends.triton.fp8_block.quantize import FP8Spec
+    from te_fused_moe.backends.triton.mxfp8.autograd import KERNELS as MXFP8
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec
+
+    return [("fp8_block-h", FP8_BLOCK, FP8Spec.of("e4m3", True), torch.bfloat16, None),
+            ("fp8_block-fp32", FP8_BLOCK, FP8Spec.of("e4m3", True), torch.bfloat16, torch.float32),
+            ("mxfp8-fp32", MXFP8, MXSpec.of("e4m3"), torch.float32, None)]
+
+
 def check_fc1_epilogue_off_tile(device: str, seed: int = 0) -> dict:
-    """Per case and epilogue input (h's dtype, or the FP32 accumulator): the FP8 block FC1 epilogue at an
-    F off the tile (what padded.py runs) against the plain GEMM + GLU pass + quantize pass that the
-    other recipes run there, on the same poisoned buffers: bytes and scales that differ (both copies),
-    codes left unwritten (NaN) or not zero past F, and gate / up columns of h that differ."""
+    """Per case and recipe variant: FC1 at an F off the tile as padded.py runs it (the recipe's FC1
+    epilogue reading gate / up wherever F falls) against the plain GEMM + GLU pass + quantize pass
+    it replaced, on poisoned buffers: bytes and scales that differ (both copies), codes or scales left
+    unwritten in the rowwise copy, codes not zero past F, and gate / up columns of h that differ."""
     from moe_reference import make_counts
 
     from te_fused_moe.activations import ActivationConfig
-    from te_fused_moe.backends.triton.fp8_block import gemm
-    from te_fused_moe.backends.triton.fp8_block.quantize import FP8Spec, new_rows, quantize_rows, quantize_weight
+    from te_fused_moe.backends.triton.fp8_block import gemm as fp8_gemm
     from te_fused_moe.backends.triton.glu_rows import glu_forward
     from te_fused_moe.backends.triton.padded import padded_size, zero_padded
     from te_fused_moe.backends.triton.schedule import build_schedule
 
-    poisoned = lambda shape, device, dtype: torch.full(shape, float("nan"), device=device, dtype=dtype)
     bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
-    spec = FP8Spec.of("e4m3", True)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, T, H, F, E, padding in FC1_CASES:
@@ -188,30 +212,30 @@ def check_fc1_epilogue_off_tile(device: str, seed: int = 0) -> dict:
                                                                                       dtype=torch.bfloat16)
         b1 = zero_padded(torch.randn(E, n1, generator=g), (E, n1_p)).to(device=device, dtype=torch.bfloat16)
         probs = (torch.rand(T, generator=g) + 0.1).to(device)
-        xq = quantize_rows(x, schedule, E, spec, alloc=poisoned, width=H_p)
-        w1q = quantize_weight(w1, spec, transposed=False)
-        for input_dtype in (None, torch.float32):
-            gemm.EPILOGUE_INPUT_DTYPE = input_dtype
+        for variant, k, spec, h_dtype, input_dtype in _fc1_variants():
+            read = k.operand_reader()
+            xq = k.quantize_rows(x, schedule, E, spec, alloc=_poisoned, width=H_p)
+            w1q = k.quantize_weight(w1, spec, transposed=False)
+            x_op, w1_op = read(xq.data, xq.scale), read(w1q.data, w1q.scale)
+            fp8_gemm.EPILOGUE_INPUT_DTYPE = input_dtype
             try:
-                h = poisoned((T, n1_p), device, torch.bfloat16)
-                fused = new_rows(T, F_p, x, spec, E, True, True, poisoned)
-                gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, schedule, E, spec, q=fused, h=h,
-                            h_up_offset=F, b_up_rows=F, bias=b1, bias_up_offset=F, probs=probs, **act)
+                h = _poisoned((T, n1_p), device, h_dtype)
+                fused = k.new_rows(T, F_p, x, spec, E, True, True, _poisoned)
+                k.gemm.launch("fc1", x_op, xq.scale, w1_op, w1q.scale, F, schedule, E, spec, q=fused, h=h,
+                              h_up_offset=F, b_up_rows=F, bias=b1, bias_up_offset=F, probs=probs, **act)
             finally:
-                gemm.EPILOGUE_INPUT_DTYPE = None
+                fp8_gemm.EPILOGUE_INPUT_DTYPE = None
             # the same values through the passes: act of h, or of the FP32 GEMM output the epilogue read
-            h_in = poisoned((T, n1_p), device, input_dtype or torch.bfloat16)
-            gemm.launch("fc2", xq.data, xq.scale, w1q.data, w1q.scale, n1_p, schedule, E, spec, c=h_in, bias=b1)
-            a = glu_forward(h_in, F, F_p, schedule, E, probs, act, poisoned)
-            passes = quantize_rows(a, schedule, E, spec, colwise=True, alloc=poisoned)
-            key = f"{name}-{'fp32' if input_dtype else 'h'}"
-            out[key] = {
-                part: int((bits(getattr(fused, part)) != bits(getattr(passes, part))).sum())
-                for part in ("data", "scale", "data_t", "scale_t")}
-            codes = fused.data.view(torch.uint8)
-            out[key]["unwritten"] = int((codes == 0x7F).sum() + torch.isnan(fused.scale).sum())
-            out[key]["nonzero_past_f"] = int((codes[:, F:] != 0).sum())
-            out[key]["h"] = int((bits(h[:, :n1]) != bits(h_in[:, :n1].to(torch.bfloat16))).sum())
+            h_in = _poisoned((T, n1_p), device, input_dtype or h_dtype)
+            k.gemm.launch("fc2", x_op, xq.scale, w1_op, w1q.scale, n1_p, schedule, E, spec, c=h_in, bias=b1)
+            a = glu_forward(h_in, F, F_p, schedule, E, probs, act, _poisoned)
+            passes = k.quantize_rows(a, schedule, E, spec, colwise=True, alloc=_poisoned)
+            r = {part: int((bits(getattr(fused, part)) != bits(getattr(passes, part))).sum())
+                 for part in ("data", "scale", "data_t", "scale_t")}
+            r["unwritten"] = _unwritten(fused.data) + _unwritten(fused.scale)
+            r["nonzero_past_f"] = int((fused.data[:, F:].view(torch.uint8) != 0).sum())
+            r["h"] = int((bits(h[:, :n1]) != bits(h_in[:, :n1].to(h_dtype))).sum())
+            out[f"{name}-{variant}"] = r
     return out
 
 
@@ -266,10 +290,12 @@ def test_glu_passes_match_fp64(results, case):
     assert r["padding_rows"] > 0 or case[5] == 0, r
 
 
-@pytest.mark.parametrize("case", [f"{c[0]}-{i}" for c in FC1_CASES for i in ("h", "fp32")])
-def test_fp8_block_fc1_epilogue_off_the_tile_equals_the_passes(results, case):
-    """padded.py's FP8 block FC1 (the epilogue alone at F off the tile) writes the bytes and scales the
-    plain GEMM + GLU pass + quantize pass write, both copies, zero codes past F."""
+@pytest.mark.parametrize("case", [f"{c[0]}-{v}" for c in FC1_CASES for v in ("fp8_block-h", "fp8_block-fp32",
+                                                                             "mxfp8-fp32")])
+def test_fc1_epilogue_off_the_tile_equals_the_passes(results, case):
+    """padded.py's FC1 at F off the tile (FP8 block: the epilogue alone; MXFP8: its one kernel) writes
+    the bytes and scales the plain GEMM + GLU pass + quantize pass write, both copies, zero codes
+    past F."""
     r = results["fc1"][case]
     assert all(r[k] == 0 for k in ("data", "scale", "data_t", "scale_t", "unwritten", "nonzero_past_f", "h")), r
 

@@ -474,11 +474,15 @@ def sm90_build_report() -> dict:
                                          ("dgrad_e5m2", "dgrad", False, "swiglu", "fp8e5"),
                                          # BF16 values expanded before the GEMM (the fused path's default)
                                          ("fc1_swiglu_values", "fc1", True, "swiglu", "bf16"),
+                                         ("fc1_gptoss_values_off_tile", "fc1", True, "gpt_oss_swiglu", "bf16"),
                                          ("fc2_values", "fc2", False, "swiglu", "bf16"),
                                          ("dact_swiglu_values", "dact", True, "swiglu", "bf16"),
                                          ("dgrad_values", "dgrad", False, "swiglu", "bf16")):
         values = a_dt == "bf16"
         cfg = gemm.default_config(kind, values)
+        if name.endswith("_off_tile"):  # F = 2880 (GPT-OSS, zero-padded path): 128-column tiles to reach 2944
+            cfg = gemm.fc1_covering(cfg, 2880, values)
+            assert cfg.block_n == 128
         mode = GEMM_MODES[kind]
         bk = gemm.EXPAND_BLOCK_K if cfg.expand_bf16 else 32
         b_dt = "bf16" if values else "fp8e4nv"

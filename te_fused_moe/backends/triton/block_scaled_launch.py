@@ -55,11 +55,13 @@ def or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor, *dims: int) -> tupl
 
 
 def tiled_width(mode: int, n: int, b_rows: int, tile: int) -> int:
-    """The width a GEMM's tiles cover: ``n``, or for a plain GEMM whose B has the rows (zero-padded,
-    see ``padded.py``), ``n`` rounded up to ``tile``: the kernels compute the last tile whole and store
-    only its columns before ``n``. Launchers check this width against the tile."""
+    """The width a GEMM's tiles cover: ``n``, or ``n`` rounded up to ``tile`` for a plain GEMM whose B
+    has the rows (zero-padded, see ``padded.py``: the kernels compute the last tile whole and store
+    only its columns before ``n``) and for FC1 (its epilogue stores h's columns before ``n`` and zero
+    codes past it; the up half's rows, at ``b_up_rows`` = n, run past B's in the last tile and are
+    not used there). Launchers check this width against the tile."""
     rounded = -(-n // tile) * tile
-    return rounded if mode == MODE_PLAIN and b_rows >= rounded else n
+    return rounded if mode == MODE_FC1 or (mode == MODE_PLAIN and b_rows >= rounded) else n
 
 
 def copies_width(x: torch.Tensor, width: Optional[int]) -> int:

@@ -13,11 +13,12 @@ zero-padded operands and returns the unpadded part of each result:
   columns and writes ``H'``, ``width=``): the zero columns quantize to zero codes and add nothing to
   any GEMM.
 - FC1 runs as the plain GEMM over all of w1's rows (``h [T, n1']``, b1 added). The activation pairs
-  gate column ``j`` with up column ``F + j`` wherever F falls against the tiles: where the recipe's
-  FC1 epilogue can run alone at such an F (``fc1_off_tile``: FP8 block, unless its
-  ``FC1_EPILOGUE`` is "fused"), it reads h that way and writes ``a [T, F']`` quantized (zero codes
-  past F); otherwise a pass of its own (:mod:`.glu_rows`) writes ``a`` in FP32 for the recipe's
-  quantize pass (MXFP8). Backward: the dGLU's GEMM writes
+  gate column ``j`` with up column ``F + j`` wherever F falls against the tiles. Where the recipe's
+  FC1 takes such an F (``fc1_off_tile``), its epilogue does that and writes ``a [T, F']``
+  quantized, zero codes past F: FP8 block's epilogue alone reading h back (unless its
+  ``FC1_EPILOGUE`` is "fused"), MXFP8's one kernel on its accumulators (whose weight scales are
+  per row, so the up half may start at any row). Otherwise a pass of its own (:mod:`.glu_rows`)
+  writes ``a`` in FP32 for the recipe's quantize pass. Backward: the dGLU's GEMM writes
   ``da [T, F']``, the dGLU pass writes
   ``dh`` in h's own layout, and the quantize pass blocks it along all of w1's rows, as TE's dgrad and
   wgrad see it. The values quantized are those the tile-aligned path's separate epilogues quantize
@@ -29,8 +30,8 @@ zero-padded operands and returns the unpadded part of each result:
   H100 with the five copies this path used to make.)
 
 What it costs against the tile-aligned path (:mod:`.block_scaled`, whose FC1 / dGLU epilogues form
-and quantize ``a`` / ``dh`` in the GEMM kernels): ``dh`` (and MXFP8's ``a``) written and read once
-more in FP32 for its quantize pass; GEMMs over the padded sizes. (dh cannot be quantized where it is
+and quantize ``a`` / ``dh`` in the GEMM kernels): ``dh`` written and read once more in FP32 for its
+quantize pass; GEMMs over the padded sizes. (dh cannot be quantized where it is
 formed: its 1x128 blocks along w1's rows straddle the gate / up boundary when F % 128 != 0.) Still no
 host reads of device data: sync-free and graph-capturable like the rest of the backend.
 """

@@ -411,8 +411,7 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     num_rows, k = a.shape
     # FC1 with F off the tile (padded.py): the GEMM over all of B's rows, then the epilogue alone
     fc1_off_tile = mode == MODE_FC1 and n % BLOCK != 0
-    width = b.shape[1] if fc1_off_tile else tiled_width(mode, n, b.shape[1], BLOCK)
-    if k % BLOCK or width % BLOCK:
+    if k % BLOCK or tiled_width(mode, n, b.shape[1], BLOCK) % BLOCK:
         raise ValueError(f"FP8 block GEMM: K={k} and N={n} must be multiples of {BLOCK}")
     if mode != MODE_PLAIN and cfg.block_n != BLOCK:
         raise ValueError(f"config: the quantizing epilogues need block_n={BLOCK}, got {cfg.block_n}")

@@ -25,6 +25,9 @@ from .wgrad import mx_grouped_wgrad
 # FP8). False: the GEMMs expand the FP8 tiles in their K loops (``gemm.default_config``), which on
 # the H200 bounds them at 150-280 TFLOP/s (run 13).
 EXPAND_BEFORE_GEMM = True
+# FC1 at an FFN size off the tile (padded.py): True = its one kernel (weight scales per row, so the up
+# half may start at any row of w1); False = the plain GEMM + GLU pass + quantize pass (before session 21)
+FC1_OFF_TILE = True
 
 
 def read_expanded(data, scale, columnwise: bool = False):
@@ -57,7 +60,7 @@ KERNELS = RecipeKernels(
     recipe_name="MXFP8BlockScaling", tile=TILE, weight_cache=WEIGHT_CACHE, quantize_weight=quantize_weight,
     quantize_rows=quantize_rows, new_rows=new_rows, rows=MXRows, gemm=gemm, grouped_wgrad=mx_grouped_wgrad,
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_mxfp8,
-    operand_reader=operand_reader,
+    operand_reader=operand_reader, fc1_off_tile=lambda: FC1_OFF_TILE,
 )
 check_shapes = KERNELS.check_shapes
 mxfp8_expert_mlp = KERNELS.expert_mlp

@@ -39,6 +39,7 @@ summation order changes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
-from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_PLAIN, kernel_operands, operand_sources,
+from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_FC1, MODE_PLAIN, kernel_operands, operand_sources,
                                    quantized_copies, separate_epilogue, tiled_width, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..operand_tiles import k_block, operand_tiles
@@ -162,7 +163,8 @@ def _fc1_part(acc, acc_up, cols, rows64, row_ok, N, p, expert, is_padding, tile,
         value = act_forward(acc, acc_up, alpha, limit, ACT)
     else:
         value = act_forward(acc, acc, alpha, limit, ACT)
-    value = tl.where(is_padding, 0.0, value * p[:, None])
+    # zeros on the padding group and past N (FC1 at an F off the tile: zero codes there, padded.py)
+    value = tl.where(bias_mask[None, :], value * p[:, None], 0.0)
     _store_mx(value, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
               qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
 
@@ -386,6 +388,8 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         raise ValueError(f"config: the quantizing epilogues need block_n 64 or 128 (whole 1x32 blocks), got {cfg.block_n}")
     if tiled_n % cfg.block_n:
         raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
+    if mode == MODE_FC1:
+        cfg = fc1_covering(cfg, n, a_bf16 or b_bf16)
     block_k = EXPAND_BLOCK_K if cfg.expand_bf16 else MX
     if k % block_k:
         raise ValueError(f"config: expand_bf16 needs K={k} to be a multiple of {EXPAND_BLOCK_K}")
@@ -411,6 +415,17 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         EXPAND=cfg.expand_bf16, A_BF16=a_bf16, B_BF16=b_bf16, BM=TILE, BN=cfg.block_n, BK=block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=1 if acc_in else cfg.num_stages,
     )
+
+
+def fc1_covering(cfg: MXGemmConfig, n: int, bf16_operands: bool) -> MXGemmConfig:
+    """FC1's config for ``n`` columns: ``cfg``, or at an F off the tile (padded.py), one whose N tiles
+    reach the tile's end (FC1 writes a's codes there, zeros past F; the kernel makes cdiv(n, block_n)
+    N tiles): whole 128-column tiles, in two stages where the operands are BF16 (three such stages
+    need 295 KB of shared memory)."""
+    tiled_n = -(-n // TILE) * TILE
+    if -(-n // cfg.block_n) * cfg.block_n == tiled_n:
+        return cfg
+    return dataclasses.replace(cfg, block_n=TILE, num_stages=2 if bf16_operands else cfg.num_stages)
 
 
 def _separate_dact(cfg: "MXGemmConfig", a: torch.Tensor) -> bool:
