@@ -21,8 +21,9 @@ zero-padded operands and returns the unpadded part of each result:
   writes ``a`` in FP32 for the recipe's quantize pass. Backward: the dGLU's GEMM writes
   ``da [T, F']``, the dGLU pass writes
   ``dh`` in h's own layout, and the quantize pass blocks it along all of w1's rows, as TE's dgrad and
-  wgrad see it. The values quantized are those the tile-aligned path's separate epilogues quantize
-  (``a = act(h)`` of the saved h; ``da`` in ``EPILOGUE_INPUT_DTYPE`` or h's dtype).
+  wgrad see it. The values quantized are those the tile-aligned path quantizes: ``a`` as its FC1
+  forms it (FP8 block: ``act(h)`` of the saved h; MXFP8: of the FP32 accumulator), ``dh`` from ``da``
+  in ``EPILOGUE_INPUT_DTYPE`` or h's dtype, as its separate dGLU epilogues read it.
 - Results have their own sizes and are contiguous: ``y``, ``dx`` ``[T, H]``, ``dw1`` ``[E, n1, H]``,
   ``dw2`` ``[E, H, F]``. The GEMMs compute the last tile whole and store only its columns (and the
   wgrads' rows) inside the result. (Views of padded buffers would cost more than they save: autograd
