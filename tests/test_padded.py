@@ -51,23 +51,20 @@ def test_weight_cache_keeps_padded_copies_apart():
 
 
 def test_which_recipes_take_which_sizes():
-    """FP8 block and MXFP8 take every size (tile multiples as they are, others zero-padded); NVFP4 still
-    needs multiples of 128 and names the weight and size it refuses."""
+    """Every block-scaled recipe takes every size: FP8 block and MXFP8 tile multiples on the tile-aligned
+    Function and others on the zero-padded one (check_shapes names the size that sends a call there),
+    NVFP4 both in its one Function."""
     from te_fused_moe.backends.triton.fp8_block.autograd import KERNELS as FP8_BLOCK
     from te_fused_moe.backends.triton.mxfp8.autograd import KERNELS as MXFP8
     from te_fused_moe.backends.triton.nvfp4.autograd import KERNELS as NVFP4
 
-    for kernels in (FP8_BLOCK, MXFP8):
+    for kernels in (FP8_BLOCK, MXFP8, NVFP4):
         assert kernels.unsupported_shapes(2880, 2880) is None and kernels.unsupported_shapes(256, 128) is None
-        assert kernels.check_shapes(256, 128) is None  # the tile-aligned Function
+        assert kernels.check_shapes(256, 128) is None
         assert "w1:" in kernels.check_shapes(2880, 256) and "got 2880" in kernels.check_shapes(2880, 256)
-    assert NVFP4.unsupported_shapes(256, 128) is None
-    reason = NVFP4.unsupported_shapes(256, 2880)
-    assert reason.startswith("w2: backend='triton' with NVFP4BlockScaling needs the FFN size to be a multiple of "
-                             "128, got 2880"), reason
 
 
-def test_backend_routes_gpt_oss_sizes_to_triton_for_fp8_recipes_only():
+def test_backend_routes_gpt_oss_sizes_to_triton_for_every_recipe():
     from te_fused_moe.activations import ActivationConfig
     from te_fused_moe.backends import get_backend
     from te_fused_moe.backends.base import ExpertMLPArgs
@@ -81,8 +78,7 @@ def test_backend_routes_gpt_oss_sizes_to_triton_for_fp8_recipes_only():
         args = ExpertMLPArgs(x=x, tokens_per_expert=torch.tensor([2, 2]), w1=w1, w2=w2,
                              activation=ActivationConfig("gpt_oss_swiglu"), recipe=recipe)
         verdicts[type(recipe).__name__] = backend.supports_args(args)
-    assert verdicts["Float8BlockScaling"] and verdicts["MXFP8BlockScaling"], verdicts
-    assert not verdicts["NVFP4BlockScaling"] and "got 2880" in verdicts["NVFP4BlockScaling"].reason, verdicts
+    assert all(verdicts.values()), verdicts
 
 
 def test_fc1_off_the_tile_runs_its_epilogue_alone_or_the_passes():

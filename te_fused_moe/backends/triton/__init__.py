@@ -81,8 +81,8 @@ class TritonBackend(Backend):
         return Availability(True)
 
     def supports_args(self, args: ExpertMLPArgs) -> Availability:
-        """Shape limits of a call (after :meth:`supports`): the NVFP4 path needs H and F to be multiples
-        of 128 (the FP8 block and MXFP8 paths run other sizes zero-padded)."""
+        """Shape limits of a call (after :meth:`supports`): none at present (the block-scaled recipes run
+        sizes off their 128 tile on zero-padded operands); the recipe's kernels say."""
         kernels = _block_scaled_kernels(args.recipe)
         if kernels is not None:
             reason = kernels.unsupported_shapes(args.hidden_size, args.ffn_hidden_size)

@@ -21,6 +21,13 @@ Every GEMM reads exact BF16 expansions of its operands (codes times block scales
 expansion pass just before it and dropped after it (``EXPAND_BEFORE_GEMM``; saved tensors and the
 weight cache stay packed), or expands the packed codes in its K loop (``gemm`` module doc).
 
+Sizes off the 128 tile (GPT-OSS's 2880) run in the same Function on zero-padded operands: weights
+padded at the end of each dimension in the cache (blocks stay where TE puts them on the unpadded
+weight; zeros change no amax), ``x`` / ``dy`` quantized as if zero-padded to the tile (``width=``),
+``a`` / ``dh`` zero past their columns, and every GEMM storing only the columns of its result, so
+``y``, ``dx``, ``dw1``, ``dw2`` come in their own sizes. The weight scales are per row, so FC1 and the
+dGLU find the up half at row F of w1 wherever it falls.
+
 Why the activations are not quantized in the GEMM epilogues as the FP8 recipes do: NVFP4's
 per-tensor scale needs the amax of the expert's whole slice before any element is encoded, so each
 of ``x``, ``a``, ``dy``, ``dh`` costs one FP32 write (``a``, ``dh``), an amax read and a quantize read.
@@ -35,6 +42,7 @@ import triton
 
 from .. import block_scaled
 from ..block_scaled import backward_needs, empty_input_grads, expert_sums, keep_for_backward, mlp_sizes, new_buffer
+from ..padded import padded_size
 from ..fp8_block.wgrad import tile_sums_to_experts
 from ..schedule import build_schedule, max_m_tiles
 from . import gemm
@@ -71,12 +79,22 @@ def specs_of(recipe):
                    bf16_values=BF16_WEIGHT_VALUES))
 
 
+def zeros_past(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """``t`` with its columns from ``cols`` on set to zero (none where ``cols`` is its width): ``a`` and
+    ``dh`` at sizes off the tile, whose epilogues write only their own columns before the quantize pass
+    reads the padded width."""
+    if cols < t.shape[1]:
+        t[:, cols:].zero_()
+    return t
+
+
 class NVFP4ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tokens_per_expert, w1, w2, b1, b2, probs, activation, specs):
         spec, grad_spec, weight_spec = specs
         need = ctx.needs_input_grad
         num_rows, hidden, num_experts, n1, ffn = mlp_sizes(x.shape, w1, w2)
+        hidden_p, n1_p, ffn_p = (padded_size(size, TILE) for size in (hidden, n1, ffn))
         act = activation.launch_args
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec = act, grad_spec
@@ -86,11 +104,12 @@ class NVFP4ExpertMLP(torch.autograd.Function):
             ctx.save_for_backward(x, w1, w2, probs)
             return y
         schedule = build_schedule(tokens_per_expert, num_rows, TILE)
-        w1q = WEIGHT_CACHE.get(w1, weight_spec)
-        w2q = WEIGHT_CACHE.get(w2, weight_spec)
-        xq = quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=block_scaled.ALLOC)
-        h = new_buffer((num_rows, n1), x, block_scaled.H_DTYPE or x.dtype)
-        a = new_buffer((num_rows, ffn), x, torch.float32)
+        w1q = WEIGHT_CACHE.get(w1, weight_spec, padded_to=(num_experts, n1_p, hidden_p))
+        w2q = WEIGHT_CACHE.get(w2, weight_spec, padded_to=(num_experts, hidden_p, ffn_p))
+        xq = quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=block_scaled.ALLOC,
+                           width=hidden_p)
+        h = new_buffer((num_rows, n1_p), x, block_scaled.H_DTYPE or x.dtype)
+        a = zeros_past(new_buffer((num_rows, ffn_p), x, torch.float32), ffn)
         gemm.launch("fc1", gemm_rows(xq, expand, rowwise=True), gemm_weight(w1q, expand, False), ffn, schedule,
                     num_experts, c=a, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs,
                     **act)
@@ -110,15 +129,16 @@ class NVFP4ExpertMLP(torch.autograd.Function):
         spec, schedule, alloc, expand = ctx.grad_spec, ctx.schedule, block_scaled.ALLOC, ctx.expand
         dy = dy.contiguous()
         num_rows, hidden, num_experts, n1, ffn = mlp_sizes(ctx.x_shape, w1, w2)
+        hidden_p, n1_p = padded_size(hidden, TILE), padded_size(n1, TILE)
         m_tiles = max_m_tiles(num_rows, num_experts, TILE)
         want_dprob, need_dact = backward_needs(need, probs)
         dx = dw1 = dw2 = db1 = db2 = dprobs = dhq = None
 
-        db2_parts = new_buffer((m_tiles, hidden), w1, torch.float32) if need[5] else None
+        db2_parts = new_buffer((m_tiles, hidden_p), w1, torch.float32) if need[5] else None
         dyq = quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=alloc,
-                            col_sums=db2_parts)
+                            col_sums=db2_parts, width=hidden_p)
         if need_dact:
-            dh = new_buffer((num_rows, n1), w1, torch.float32)
+            dh = zeros_past(new_buffer((num_rows, n1_p), w1, torch.float32), n1)
             cfg = gemm.default_config("dact", expand)
             dprob_buf = new_buffer((triton.cdiv(ffn, cfg.block_n), num_rows), w1, torch.float32) if want_dprob else None
             gemm.launch("dact", gemm_rows(dyq, expand, rowwise=True), gemm_weight(ctx.w2q, expand, True), ffn,
@@ -126,11 +146,11 @@ class NVFP4ExpertMLP(torch.autograd.Function):
                         probs=probs, dprob=dprob_buf, config=cfg, **ctx.act)
             if want_dprob:
                 dprobs = dprob_buf.sum(0).to(probs.dtype)
-            db1_parts = new_buffer((m_tiles, n1), w1, torch.float32) if need[4] else None
+            db1_parts = new_buffer((m_tiles, n1_p), w1, torch.float32) if need[4] else None
             dhq = quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2], alloc=alloc,
                                 col_sums=db1_parts)
             if need[4]:
-                db1 = expert_sums(tile_sums_to_experts, db1_parts, schedule, num_experts, w1)
+                db1 = expert_sums(tile_sums_to_experts, db1_parts, schedule, num_experts, w1)[:, :n1]
         if need[0]:
             dx = new_buffer((num_rows, hidden), w1)
             gemm.launch("dgrad", gemm_rows(dhq, expand, rowwise=True), gemm_weight(ctx.w1q, expand, True), hidden,
@@ -140,7 +160,7 @@ class NVFP4ExpertMLP(torch.autograd.Function):
             nv_grouped_wgrad(gemm_rows(dyq, expand, colwise=True), gemm_rows(ctx.aq, expand, colwise=True), schedule,
                              dw2)
         if need[5]:
-            db2 = expert_sums(tile_sums_to_experts, db2_parts, schedule, num_experts, w1)
+            db2 = expert_sums(tile_sums_to_experts, db2_parts, schedule, num_experts, w1)[:, :hidden]
         if need[2]:
             dw1 = new_buffer(w1.shape, w1)
             nv_grouped_wgrad(gemm_rows(dhq, expand, colwise=True), gemm_rows(ctx.xq, expand, colwise=True), schedule,
@@ -164,14 +184,11 @@ class NVFP4Kernels:
         return block_scaled.tile_multiples(self.recipe_name, self.tile, hidden, ffn)
 
     def unsupported_shapes(self, hidden: int, ffn: int) -> Optional[str]:
-        """NVFP4 runs tile multiples only (no zero-padded path yet)."""
-        return self.check_shapes(hidden, ffn)
+        """None: every hidden / FFN size runs (others than tile multiples on zero-padded operands)."""
+        return None
 
     @staticmethod
     def expert_mlp(args) -> torch.Tensor:
-        reason = KERNELS.check_shapes(args.hidden_size, args.ffn_hidden_size)
-        if reason is not None:
-            raise ValueError(reason)
         return NVFP4ExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
                                     args.activation, specs_of(args.recipe))
 

@@ -213,7 +213,8 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
            alpha: float = 1.702, limit: float = 7.0, gated: bool = False, config: Optional[NVGemmConfig] = None):
     """One NVFP4 grouped GEMM. ``a``: a rowwise ``quantize.NVRows`` ([T, K]); ``b``: a
     ``quantize.NVWeight`` read as ``[E, n_rows, K]`` (``b_transposed``: its ``data_t`` / ``scale_t``
-    copy); ``n`` output columns (the gate half for gated FC1/DACT). ``c``: the output (``y`` / ``dx``
+    copy); ``n`` output columns (the gate half for gated FC1/DACT; off the tile where B's rows are
+    zero-padded to it, padded.py: only columns before ``n`` are stored). ``c``: the output (``y`` / ``dx``
     in PLAIN mode, FP32 ``a`` for FC1, FP32 ``dh`` for DACT, its up half at ``c_up_offset``).
     ``dprob``: FP32 ``[n / block_n, T]`` partials."""
     mode = GEMM_MODES[kind]
@@ -224,16 +225,17 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     if a_data is None or b_data is None:
         raise ValueError("a, b: the GEMM needs a's rowwise copy and b's copy along the reduction axis")
     num_rows, k = a_data.shape[0], 2 * a_data.shape[1]
-    if k % BLOCK_K or n % TILE or b_data.shape[2] * 2 != k:
+    # N may end inside the last tile (padded.py: B's rows zero-padded to it): every store is masked at n
+    if k % BLOCK_K or b_data.shape[1] < -(-n // TILE) * TILE or b_data.shape[2] * 2 != k:
         raise ValueError(f"NVFP4 GEMM: K={k} (b: {2 * b_data.shape[2]}) must match and be a multiple of {BLOCK_K}, "
-                         f"N={n} of {TILE}")
+                         f"and b's {b_data.shape[1]} rows cover N={n} in whole tiles of {TILE}")
     # exact BF16 expansions written before the GEMM (or held by the weight cache): no expansion in the K loop
     if a.values is not None:
         a_data = a.values
     if b_values is not None:
         b_data = b_values
-    if n % cfg.block_n:
-        raise ValueError(f"config: N={n} must be a multiple of block_n={cfg.block_n}")
+    if TILE % cfg.block_n:
+        raise ValueError(f"config: block_n={cfg.block_n} must divide {TILE}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     use_tma = USE_TMA_DEFAULT and tma_allowed(a_data, b_data)

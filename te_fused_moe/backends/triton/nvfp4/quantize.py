@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ....quantize import hadamard
+from ..block_scaled_launch import copies_width
 from ..fp8_block.codec import nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
@@ -169,11 +170,12 @@ def quantize_tiles_2d(v, s_enc, s_dec, BM: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def group_amax_kernel(
-    x_ptr, stride_xm, amax_ptr, amax_t_ptr, sched_ptr, K, NUM_GROUPS,
+    x_ptr, stride_xm, amax_ptr, amax_t_ptr, sched_ptr, X_COLS, NUM_GROUPS,
     RHT_AMAX: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """Per (schedule tile, ``BK`` columns): the tile's NaN-ignoring max |x| into its group's ``amax``
-    and, with ``RHT_AMAX``, that of its Hadamard transform along the tokens into ``amax_t``."""
+    and, with ``RHT_AMAX``, that of its Hadamard transform along the tokens into ``amax_t`` (x's
+    ``X_COLS`` columns; a program past them sees zeros)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
@@ -181,7 +183,7 @@ def group_amax_kernel(
     group, row0, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
     rows = row0 + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
-    mask = (rows < row_end)[:, None] & (cols < K)[None, :]
+    mask = (rows < row_end)[:, None] & (cols < X_COLS)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.atomic_max(amax_ptr + group, tl.max(tl.max(nan_free_abs(x), axis=1), axis=0))
     if RHT_AMAX:
@@ -196,13 +198,14 @@ def quantize_tiles_kernel(
     qt_ptr, stride_qtk, qts_ptr, stride_qtsb, amax_t_ptr,
     colsum_ptr, stride_cst,
     seed_ptr, bits_ptr, stride_bits, bits_t_ptr, stride_bits_t,
-    sched_ptr, K, NUM_GROUPS,
+    sched_ptr, K, X_COLS, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr, RHT: tl.constexpr,
     STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, ``BK`` columns): 1x16 rowwise blocks and, with ``COLWISE``,
     16-token blocks inside the tile (Hadamard-transformed with ``RHT``), each with its group's tensor
-    scale; with ``COLSUM`` the tile's FP32 column sums (bias gradients)."""
+    scale; with ``COLSUM`` the tile's FP32 column sums (bias gradients). The copies are ``K`` wide;
+    x's ``X_COLS`` columns are read, zeros past them (``width=``)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
@@ -211,7 +214,7 @@ def quantize_tiles_kernel(
     rows = row0 + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
     row_ok = rows < row_end
-    mask = row_ok[:, None] & (cols < K)[None, :]
+    mask = row_ok[:, None] & (cols < X_COLS)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if COLSUM:
@@ -350,13 +353,16 @@ def new_seed(device: torch.device) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: NVSpec, *, rowwise: bool = True,
                   colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None,
-                  random_bits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> NVRows:
+                  random_bits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                  width: Optional[int] = None) -> NVRows:
     """NVFP4-quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x16 along K) and/or columnwise (16 tokens per block restarting at each expert, RHT per
     ``spec``), each expert with its own tensor scales. ``col_sums`` (FP32 ``[max_m_tiles, K]``)
     receives each tile's column sums of ``x``; ``random_bits`` (tests, stochastic specs): uint8 ``[T, K]`` for the rowwise copy and
-    ``[128 * max_m_tiles, K]`` (by slot) for the columnwise one."""
-    num_rows, k = x.shape
+    ``[128 * max_m_tiles, K]`` (by slot) for the columnwise one. ``width`` (>= K, default K): the
+    copies' width, x zero-padded to it (``padded.py``) without a copy."""
+    num_rows, x_cols = x.shape
+    k = copies_width(x, width)
     if x.stride(1) != 1:
         raise ValueError(f"x: expected unit stride along the last dimension, got strides {x.stride()}")
     if k % TILE:
@@ -373,7 +379,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     if colwise and not spec.rht:
         q.amax_t = amax  # the same values quantized along the other axis: the same tensor amax
     rht_amax = colwise and spec.rht
-    group_amax_kernel[grid](x, x.stride(0), amax, q.amax_t if rht_amax else amax, schedule, k, num_experts + 1,
+    group_amax_kernel[grid](x, x.stride(0), amax, q.amax_t if rht_amax else amax, schedule, x_cols, num_experts + 1,
                             RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps)
     dummy = x.view(torch.uint8) if x.is_contiguous() else amax
     given = random_bits is not None
@@ -387,7 +393,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         q.scale_t if colwise else dummy, q.scale_t.stride(0) if colwise else 0, q.amax_t if colwise else amax,
         col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
         seed, bits, bits.stride(0) if given else 0, bits_t, bits_t.stride(0) if given else 0,
-        schedule, k, num_experts + 1,
+        schedule, k, x_cols, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, RHT=spec.rht, STOCHASTIC=spec.stochastic,
         GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps,
     )
