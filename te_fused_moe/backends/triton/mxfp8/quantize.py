@@ -16,7 +16,8 @@ uint8 E8M0 exponents (as :mod:`te_fused_moe.quantize.mxfp8` stores them):
   stored block-major (``[E, K/32, N]`` and ``[E, N/32, K]`` buffers seen transposed), so a GEMM's
   K step loads one contiguous run of per-column scales.
 
-H and F (every K and N) must be multiples of 128 (128x128 weight tiles, 128-wide GEMM tiles). The
+The copies' widths are multiples of 128 (128x128 weight tiles, 128-wide GEMM tiles; other H and F are
+read as zero-padded to them, ``width=``, :mod:`..padded`). The
 rules (amax, E8M0, rounding) are :mod:`te_fused_moe.quantize.mxfp8`'s, see :mod:`.codec`.
 """
 

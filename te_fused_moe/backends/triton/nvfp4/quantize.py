@@ -28,7 +28,8 @@ Gradients may be rounded stochastically: 8 bits per element from Philox (``tl.ra
 a seed drawn on the device (graph-safe), or from given ``random_bits`` (tests: bit-exact against
 ``quantize.nvfp4`` with the same bits).
 
-H and F (every K and N) must be multiples of 128.
+The copies' widths are multiples of 128; other H and F are read as zero-padded to them (``width=``,
+:mod:`..padded` and the NVFP4 autograd).
 """
 
 from __future__ import annotations
