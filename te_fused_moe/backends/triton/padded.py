@@ -18,10 +18,13 @@ zero-padded operands and returns the unpadded part of each result:
   quantized, zero codes past F: FP8 block's epilogue alone reading h back (unless its
   ``FC1_EPILOGUE`` is "fused"), MXFP8's one kernel on its accumulators (whose weight scales are
   per row, so the up half may start at any row). Otherwise a pass of its own (:mod:`.glu_rows`)
-  writes ``a`` in FP32 for the recipe's quantize pass. Backward: the dGLU's GEMM writes
-  ``da [T, F']``, the dGLU pass writes
-  ``dh`` in h's own layout, and the quantize pass blocks it along all of w1's rows, as TE's dgrad and
-  wgrad see it. The values quantized are those the tile-aligned path quantizes: ``a`` as its FC1
+  writes ``a`` in FP32 for the recipe's quantize pass.
+- Backward: the dGLU's GEMM writes ``da [T, F']``; ``dh`` in h's own layout is quantized in blocks
+  along all of w1's rows, as TE's dgrad and wgrad see it (a 1x128 block holds gate and up gradients
+  both where F % 128 != 0). FP8 block forms and quantizes it in one pass over 128-column blocks of
+  dh (``dglu_off_tile``: :mod:`.fp8_block.dglu_rows`); otherwise the dGLU pass writes it in FP32
+  for the recipe's quantize pass.
+- The values quantized are those the tile-aligned path quantizes: ``a`` as its FC1
   forms it (FP8 block: ``act(h)`` of the saved h; MXFP8: of the FP32 accumulator), ``dh`` from ``da``
   in ``EPILOGUE_INPUT_DTYPE`` or h's dtype, as its separate dGLU epilogues read it.
 - Results have their own sizes and are contiguous: ``y``, ``dx`` ``[T, H]``, ``dw1`` ``[E, n1, H]``,
@@ -31,10 +34,10 @@ zero-padded operands and returns the unpadded part of each result:
   H100 with the five copies this path used to make.)
 
 What it costs against the tile-aligned path (:mod:`.block_scaled`, whose FC1 / dGLU epilogues form
-and quantize ``a`` / ``dh`` in the GEMM kernels): ``dh`` written and read once more in FP32 for its
-quantize pass; GEMMs over the padded sizes. (dh cannot be quantized where it is
-formed: its 1x128 blocks along w1's rows straddle the gate / up boundary when F % 128 != 0.) Still no
-host reads of device data: sync-free and graph-capturable like the rest of the backend.
+and quantize ``a`` / ``dh`` in the GEMM kernels): FC1's h and the dGLU's da read back by their
+epilogue passes (as there on sm_90, where those epilogues run alone), MXFP8's ``dh`` written and read
+once more in FP32; GEMMs over the padded sizes. Still no host reads of device data: sync-free and
+graph-capturable like the rest of the backend.
 """
 
 from __future__ import annotations
@@ -123,12 +126,16 @@ class PaddedExpertMLP(torch.autograd.Function):
             da = new_buffer((num_rows, ffn_p), w1, k.gemm.EPILOGUE_INPUT_DTYPE or h.dtype)
             k.gemm.launch("fc2", read(dyq.data, dyq.scale), dyq.scale, read(ctx.w2q.data_t, ctx.w2q.scale_t),
                           ctx.w2q.scale_t, ffn_p, schedule, num_experts, spec, c=da)
-            dh, dprobs = glu_backward(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, alloc)
-            del da
             db1_parts = new_buffer((m_tiles, n1_p), w1, torch.float32) if need[4] else None
-            dhq = k.quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2], alloc=alloc,
-                                  col_sums=db1_parts)
-            del dh
+            if k.dglu_off_tile is not None:
+                dhq, dprobs = k.dglu_off_tile(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, spec,
+                                              rowwise=need[0], colwise=need[2], col_sums=db1_parts, alloc=alloc)
+            else:
+                dh, dprobs = glu_backward(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, alloc)
+                dhq = k.quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2],
+                                      alloc=alloc, col_sums=db1_parts)
+                del dh
+            del da
             if want_dprob:
                 dprobs = dprobs.to(probs.dtype)
             if need[4]:

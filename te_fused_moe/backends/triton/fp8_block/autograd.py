@@ -11,6 +11,7 @@ from typing import Optional
 
 from ..block_scaled import RecipeKernels
 from . import gemm
+from .dglu_rows import dglu_quantized
 from .quantize import BLOCK, FP8Spec, QuantizedRows, WEIGHT_CACHE, new_rows, quantize_rows, quantize_weight
 from .wgrad import fp8_grouped_wgrad, tile_sums_to_experts
 
@@ -41,6 +42,7 @@ KERNELS = RecipeKernels(
     quantize_rows=quantize_rows, new_rows=new_rows, rows=QuantizedRows, gemm=gemm, grouped_wgrad=fp8_grouped_wgrad,
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_fp8_block,
     fc1_off_tile=lambda: gemm.FC1_EPILOGUE != "fused",  # "fused" (one kernel) cannot: the GLU passes run then
+    dglu_off_tile=dglu_quantized,
 )
 check_shapes = KERNELS.check_shapes
 fp8_block_expert_mlp = KERNELS.expert_mlp
