@@ -264,8 +264,8 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # BF16 values; the default before run 15), NVFP4's weight cache holding BF16 values, and the FP8 block
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16;
-# at an FFN size off the tile, e.g. gpt-oss, FC1 then runs as the GLU pass + quantize pass instead,
-# padded.py's FC1 before session 21), or
+# at an FFN size off the tile, e.g. gpt-oss, FC1 and the dGLU then run as GLU passes + quantize passes
+# instead, padded.py before session 21), or
 # with the Triton wgrad (the default before run 19), or with the Gluon wgrad's consumers in one
 # partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
 # before run 20) or in one consumer partition, or with the separate FC1 / dGLU epilogues reading the

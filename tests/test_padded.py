@@ -83,7 +83,7 @@ def test_backend_routes_gpt_oss_sizes_to_triton_for_every_recipe():
 
 def test_fc1_off_the_tile_runs_its_epilogue_alone_or_the_passes():
     """FC1 at an F off the tile needs the epilogue alone: a launch asking for the one-kernel epilogue is
-    refused with the reason, and padded.py takes the GLU passes while FC1_EPILOGUE says "fused"."""
+    refused with the reason, and padded.py takes the GLU passes while FC1_ / DACT_EPILOGUE say "fused"."""
     from te_fused_moe.backends.triton.fp8_block import gemm
     from te_fused_moe.backends.triton.fp8_block.autograd import KERNELS
     from te_fused_moe.backends.triton.fp8_block.quantize import FP8Spec
@@ -93,12 +93,12 @@ def test_fc1_off_the_tile_runs_its_epilogue_alone_or_the_passes():
     with pytest.raises(ValueError, match=r"N=80 off the 128 tile runs its epilogue alone; epilogue='fused'"):
         gemm.launch("fc1", a, torch.ones(16, 1), b, torch.ones(2, 2, 1), 80, torch.zeros(64, dtype=torch.int32), 2,
                     FP8Spec.of("e4m3", True), b_up_rows=80, config=gemm.FP8GemmConfig(epilogue="fused"))
-    assert KERNELS.fc1_off_tile()
-    gemm.FC1_EPILOGUE = "fused"
+    assert KERNELS.fc1_off_tile() and KERNELS.dglu_off_tile() is not None
+    gemm.FC1_EPILOGUE = gemm.DACT_EPILOGUE = "fused"
     try:
-        assert not KERNELS.fc1_off_tile()
+        assert not KERNELS.fc1_off_tile() and KERNELS.dglu_off_tile() is None
     finally:
-        gemm.FC1_EPILOGUE = "auto"
+        gemm.FC1_EPILOGUE = gemm.DACT_EPILOGUE = "auto"
 
 
 # --- the GLU passes under the interpreter ----------------------------------------------------------

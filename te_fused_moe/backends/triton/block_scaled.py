@@ -79,9 +79,9 @@ class RecipeKernels:
     # and up halves wherever F falls): the zero-padded path then forms and quantizes ``a`` there
     # (:mod:`.padded`), else in passes of its own
     fc1_off_tile: Callable[[], bool] = lambda: False
-    # the dGLU + quantize of dh in one pass for that path (``fp8_block.dglu_rows.dglu_quantized``'s
+    # the dGLU + quantize of dh in one pass for that path, now (``fp8_block.dglu_rows.dglu_quantized``'s
     # signature); None: the GLU pass writes FP32 dh for the recipe's quantize pass
-    dglu_off_tile: Optional[Callable] = None
+    dglu_off_tile: Callable[[], Optional[Callable]] = lambda: None
 
     def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
         """None if the kernels take these sizes as they are (whole tiles along every reduction), else why

@@ -22,7 +22,8 @@ zero-padded operands and returns the unpadded part of each result:
 - Backward: the dGLU's GEMM writes ``da [T, F']``; ``dh`` in h's own layout is quantized in blocks
   along all of w1's rows, as TE's dgrad and wgrad see it (a 1x128 block holds gate and up gradients
   both where F % 128 != 0). FP8 block forms and quantizes it in one pass over 128-column blocks of
-  dh (``dglu_off_tile``: :mod:`.fp8_block.dglu_rows`); otherwise the dGLU pass writes it in FP32
+  dh (``dglu_off_tile``: :mod:`.fp8_block.dglu_rows`, unless its ``DACT_EPILOGUE`` is "fused");
+  otherwise the dGLU pass writes it in FP32
   for the recipe's quantize pass.
 - The values quantized are those the tile-aligned path quantizes: ``a`` as its FC1
   forms it (FP8 block: ``act(h)`` of the saved h; MXFP8: of the FP32 accumulator), ``dh`` from ``da``
@@ -127,9 +128,10 @@ class PaddedExpertMLP(torch.autograd.Function):
             k.gemm.launch("fc2", read(dyq.data, dyq.scale), dyq.scale, read(ctx.w2q.data_t, ctx.w2q.scale_t),
                           ctx.w2q.scale_t, ffn_p, schedule, num_experts, spec, c=da)
             db1_parts = new_buffer((m_tiles, n1_p), w1, torch.float32) if need[4] else None
-            if k.dglu_off_tile is not None:
-                dhq, dprobs = k.dglu_off_tile(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, spec,
-                                              rowwise=need[0], colwise=need[2], col_sums=db1_parts, alloc=alloc)
+            dglu_quantized = k.dglu_off_tile()
+            if dglu_quantized is not None:
+                dhq, dprobs = dglu_quantized(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, spec,
+                                             rowwise=need[0], colwise=need[2], col_sums=db1_parts, alloc=alloc)
             else:
                 dh, dprobs = glu_backward(da, h, ffn, schedule, num_experts, probs, ctx.act, want_dprob, alloc)
                 dhq = k.quantize_rows(dh, schedule, num_experts, spec, rowwise=need[0], colwise=need[2],

@@ -41,8 +41,9 @@ KERNELS = RecipeKernels(
     recipe_name="Float8BlockScaling", tile=BLOCK, weight_cache=WEIGHT_CACHE, quantize_weight=quantize_weight,
     quantize_rows=quantize_rows, new_rows=new_rows, rows=QuantizedRows, gemm=gemm, grouped_wgrad=fp8_grouped_wgrad,
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_fp8_block,
-    fc1_off_tile=lambda: gemm.FC1_EPILOGUE != "fused",  # "fused" (one kernel) cannot: the GLU passes run then
-    dglu_off_tile=dglu_quantized,
+    # "fused" (one-kernel epilogues) cannot take F off the tile: the GLU passes run then
+    fc1_off_tile=lambda: gemm.FC1_EPILOGUE != "fused",
+    dglu_off_tile=lambda: dglu_quantized if gemm.DACT_EPILOGUE != "fused" else None,
 )
 check_shapes = KERNELS.check_shapes
 fp8_block_expert_mlp = KERNELS.expert_mlp
