@@ -8,7 +8,7 @@
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
 # also times its factor_by_fma variant (the promotion as FFMAs only, so that the yields cover all of it).
-# padded_*: sizes off the 128 tile (backends/triton/padded.py): the FP8 block and MXFP8 GPU tests of that path
+# padded_*: sizes off the 128 tile (PADDED_RECIPES, PADDED_ONLY: bench_recipes' --recipes / --only) (backends/triton/padded.py): the FP8 block and MXFP8 GPU tests of that path
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
@@ -54,7 +54,7 @@ for s in $STEPS; do
                     tests/gpu/test_triton_fp8_block_gpu.py tests/gpu/test_triton_mxfp8_gpu.py -k "padded";;
     padded_bench) step recipes_gpt_oss "${PADDED_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes "${PADDED_RECIPES:-fp8_block,mxfp8,nvfp4}" --shapes gpt-oss --no-kernels --rounds "${ROUNDS:-3}" \
-                    --out "$OUT/recipes_gpt_oss";;
+                    ${PADDED_ONLY:+--only "$PADDED_ONLY"} --out "$OUT/recipes_gpt_oss";;
     padded_profile) step profile_gpt_oss "${PROFILE_TIMEOUT:-150}" python scripts/profile_mlp.py \
                       --impls fp8_block_fused,mxfp8_fused,bf16_fused --shape gpt-oss --out "$OUT/profile_gpt_oss";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
