@@ -235,6 +235,47 @@ def check_fc1_epilogue_off_tile(device: str, seed: int = 0) -> dict:
     return out
 
 
+def check_quantize_width(device: str, seed: int = 2) -> dict:
+    """Per recipe's quantize pass: ``quantize_rows(x, width=W)`` (x [T, 200] read as zero-padded to
+    W = 256, as padded.py quantizes x and dy) against ``quantize_rows`` of x explicitly padded with
+    zeros, on poisoned buffers: elements of each copy, scale and amax (NVFP4's tensor scales; RHT on
+    its columnwise copy; stochastic rounding with given bits) and of the column sums that differ."""
+    from moe_reference import make_counts
+
+    from te_fused_moe.backends.triton.fp8_block.quantize import FP8Spec, quantize_rows as fp8_rows
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec, quantize_rows as mx_rows
+    from te_fused_moe.backends.triton.nvfp4.quantize import NVSpec, quantize_rows as nv_rows
+    from te_fused_moe.backends.triton.padded import zero_padded
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    T, cols, width, E = 300, 200, 256, 3
+    counts = make_counts(T, E, "empty", generator=g, padding=9)
+    schedule = build_schedule(counts.to(device), T, 128)
+    x = (torch.randn(T, cols, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
+    slots = 128 * max_m_tiles(T, E, 128)
+    given = (torch.randint(0, 256, (T, width), generator=g, dtype=torch.uint8).to(device),
+             torch.randint(0, 256, (slots, width), generator=g, dtype=torch.uint8).to(device))
+    recipes = {"fp8_block": (fp8_rows, FP8Spec.of("e4m3", False), {}),
+               "mxfp8": (mx_rows, MXSpec.of("e4m3"), {}),
+               "nvfp4_rht": (nv_rows, NVSpec(stochastic=False, rht=True), {}),
+               "nvfp4_stochastic": (nv_rows, NVSpec(stochastic=True, rht=True), {"random_bits": given})}
+    out = {}
+    for name, (quantize, spec, extra) in recipes.items():
+        sums = [_poisoned((max_m_tiles(T, E, 128), width), device, torch.float32) for _ in range(2)]
+        read_padded = quantize(x, schedule, E, spec, colwise=True, alloc=_poisoned, col_sums=sums[0], width=width,
+                               **extra)
+        copied = quantize(zero_padded(x, (T, width)), schedule, E, spec, colwise=True, alloc=_poisoned,
+                          col_sums=sums[1], **extra)
+        parts = [p for p in ("data", "scale", "data_t", "scale_t", "amax", "amax_t")
+                 if getattr(copied, p, None) is not None]
+        out[name] = {p: int((bits(getattr(read_padded, p)) != bits(getattr(copied, p))).sum()) for p in parts}
+        out[name]["col_sums"] = int((bits(sums[0]) != bits(sums[1])).sum())
+        out[name]["parts"] = len(parts)
+    return out
+
+
 def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
     """Per case (FC1_CASES; E5M2 gradients for the GPT-OSS one): FP8 block's one-pass dGLU + quantize
     at an F off the tile (fp8_block/dglu_rows.py) against the GLU pass + quantize pass it replaced, on
@@ -331,7 +372,7 @@ def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
     print("RESULTS" + json.dumps({"glu": check_glu_passes("cpu"), "fc1": check_fc1_epilogue_off_tile("cpu"),
-                                  "dglu": check_dglu_off_tile("cpu")}))
+                                  "dglu": check_dglu_off_tile("cpu"), "width": check_quantize_width("cpu")}))
 
 
 @pytest.fixture(scope="module")
@@ -366,6 +407,14 @@ def test_fp8_block_dglu_off_the_tile_equals_the_passes(results, case):
     assert all(r[k] == 0 for k in ("data", "scale", "data_t", "scale_t", "unwritten", "nonzero_past_units",
                                    "nan")), r
     assert r["dprob"] <= 1e-6 and r["db1"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "mxfp8", "nvfp4_rht", "nvfp4_stochastic"])
+def test_quantize_rows_width_equals_quantizing_zero_padded_x(results, recipe):
+    """The quantize passes read x's own columns and write the padded width (padded.py's x and dy, and
+    NVFP4's): the same bytes, scales and tensor amaxes as quantizing x copied into zeros."""
+    r = results["width"][recipe]
+    assert r["parts"] >= 4 and all(v == 0 for k, v in r.items() if k != "parts"), r
 
 
 def test_glu_cases_cover_straddling_tiles():
