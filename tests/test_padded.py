@@ -117,7 +117,6 @@ def check_glu_passes(device: str, seed: int = 0) -> dict:
     from te_fused_moe.backends.triton.glu_rows import glu_backward, glu_forward
     from te_fused_moe.backends.triton.schedule import build_schedule
 
-    poisoned = lambda shape, device, dtype: torch.full(shape, float("nan"), device=device, dtype=dtype)
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, T, F, width, E, padding in GLU_CASES:
@@ -129,8 +128,8 @@ def check_glu_passes(device: str, seed: int = 0) -> dict:
         h = (torch.randn(T, width, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
         da = torch.randn(T, a_width, generator=g).to(device=device, dtype=torch.bfloat16)
         probs = torch.rand(T, generator=g).to(device) + 0.1
-        a = glu_forward(h, F, a_width, schedule, E, probs, act.launch_args, alloc=poisoned)
-        dh, dprob = glu_backward(da, h, F, schedule, E, probs, act.launch_args, True, alloc=poisoned)
+        a = glu_forward(h, F, a_width, schedule, E, probs, act.launch_args, alloc=_poisoned)
+        dh, dprob = glu_backward(da, h, F, schedule, E, probs, act.launch_args, True, alloc=_poisoned)
         routed = int(counts.sum())
         h64, da64 = h[:routed, :units].double().cpu(), da[:routed, :F].double().cpu()
         p64 = probs[:routed].double().cpu()

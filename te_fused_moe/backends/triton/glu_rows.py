@@ -36,17 +36,19 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _tile_rows(sched_ptr, NUM_GROUPS, BM: tl.constexpr):
-    """This program's M tile: its rows, which of them it holds (``in_tile``) and which of those carry
-    routed tokens (``live``: not the padding group's)."""
+def program_rows(sched_ptr, NUM_GROUPS, BM: tl.constexpr):
+    """This program's M tile (``program_id(0)``): its first row and rows (64-bit), which of them it
+    holds (``in_tile``) and which of those carry routed tokens (``live``: not the padding group's).
+    Also the row passes of :mod:`.fp8_block.dglu_rows`."""
     group, row0, row_end = tile_rows(sched_ptr, tl.program_id(0), BM, NUM_GROUPS)
     rows = row0 + tl.arange(0, BM)
     in_tile = rows < row_end
-    return rows.to(tl.int64), in_tile, in_tile & (group < NUM_GROUPS - 1)
+    return row0.to(tl.int64), rows.to(tl.int64), in_tile, in_tile & (group < NUM_GROUPS - 1)
 
 
 @triton.jit
-def _router_probs(probs_ptr, rows, row_ok, HAS_PROBS: tl.constexpr, BM: tl.constexpr):
+def router_probs(probs_ptr, rows, row_ok, HAS_PROBS: tl.constexpr, BM: tl.constexpr):
+    """The router probabilities of ``rows`` in FP32 (ones without them)."""
     if HAS_PROBS:
         return tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     return tl.full((BM,), 1.0, tl.float32)
@@ -59,12 +61,12 @@ def glu_forward_kernel(h_ptr, stride_hm, probs_ptr, a_ptr, stride_am, sched_ptr,
     """One program per (schedule M tile, ``BN`` columns of ``a``)."""
     if tl.program_id(0) >= total_tiles(sched_ptr, NUM_GROUPS):
         return
-    rows, in_tile, live = _tile_rows(sched_ptr, NUM_GROUPS, BM)
+    _, rows, in_tile, live = program_rows(sched_ptr, NUM_GROUPS, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     valid = live[:, None] & (cols < F)[None, :]
     h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
     g, u = load_gate_up(h_ptrs, F, valid, GATED)
-    p = _router_probs(probs_ptr, rows, live, HAS_PROBS, BM)
+    p = router_probs(probs_ptr, rows, live, HAS_PROBS, BM)
     value = tl.where(valid, act_forward(g, u, alpha, limit, ACT) * p[:, None], 0.0)
     tl.store(a_ptr + rows[:, None] * stride_am + cols[None, :], value, mask=in_tile[:, None])
 
@@ -80,7 +82,7 @@ def glu_backward_kernel(da_ptr, stride_dam, h_ptr, stride_hm, probs_ptr, dh_ptr,
     ``[N1, WIDTH)`` (N1 = 2F gated, else F)."""
     if tl.program_id(0) >= total_tiles(sched_ptr, NUM_GROUPS):
         return
-    rows, in_tile, live = _tile_rows(sched_ptr, NUM_GROUPS, BM)
+    _, rows, in_tile, live = program_rows(sched_ptr, NUM_GROUPS, BM)
     unit_blocks = tl.cdiv(F, BN)
     if tl.program_id(1) >= unit_blocks:
         cols = N1 + (tl.program_id(1) - unit_blocks) * BN + tl.arange(0, BN)
@@ -92,7 +94,7 @@ def glu_backward_kernel(da_ptr, stride_dam, h_ptr, stride_hm, probs_ptr, dh_ptr,
     valid = live[:, None] & unit_ok[None, :]
     da = tl.load(da_ptr + rows[:, None] * stride_dam + units[None, :], mask=valid, other=0.0).to(tl.float32)
     g, u = load_gate_up(h_ptr + rows[:, None] * stride_hm + units[None, :], F, valid, GATED)
-    p = _router_probs(probs_ptr, rows, live, HAS_PROBS, BM)
+    p = router_probs(probs_ptr, rows, live, HAS_PROBS, BM)
     dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
     out = dh_ptr + rows[:, None] * stride_dhm + units[None, :]
     stored = in_tile[:, None] & unit_ok[None, :]

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, load_gate_up
 from ..grouped_gemm import interpreting
-from ..schedule import max_m_tiles, tile_rows, total_tiles
+from ..glu_rows import program_rows, router_probs
+from ..schedule import max_m_tiles, total_tiles
 from .gemm import _store_quantized
 from .quantize import BLOCK, FLOAT32_MAX, FP8Spec, new_rows
 
@@ -50,11 +51,7 @@ def dglu_quantize_kernel(
     pid_n = tl.program_id(1)
     if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
         return
-    group, row0, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
-    rows = row0 + tl.arange(0, BM)
-    in_tile = rows < row_end
-    live = in_tile & (group < NUM_GROUPS - 1)
-    rows64 = rows.to(tl.int64)
+    row0, rows64, in_tile, live = program_rows(sched_ptr, NUM_GROUPS, BM)
     cols = pid_n * 128 + tl.arange(0, 128)
     is_gate = cols < F
     if GATED:
@@ -64,10 +61,7 @@ def dglu_quantize_kernel(
     valid = live[:, None] & (cols < N1)[None, :]
     da = tl.load(da_ptr + rows64[:, None] * stride_dam + units[None, :], mask=valid, other=0.0).to(tl.float32)
     g, u = load_gate_up(h_ptr + rows64[:, None] * stride_hm + units[None, :], F, valid, GATED)
-    if HAS_PROBS:
-        p = tl.load(probs_ptr + rows64, mask=live, other=0.0).to(tl.float32)
-    else:
-        p = tl.full((BM,), 1.0, tl.float32)
+    p = router_probs(probs_ptr, rows64, live, HAS_PROBS, BM)
     dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
     if GATED:
         d = tl.where(is_gate[None, :], dg, du)
@@ -79,7 +73,7 @@ def dglu_quantize_kernel(
         tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=in_tile)
     if COLSUM:
         tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(d, axis=0))
-    _store_quantized(d, row0.to(tl.int64), in_tile, pid_n * 128, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm,
+    _store_quantized(d, row0, in_tile, pid_n * 128, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm,
                      stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtst, value_for_inf, ROWWISE, COLWISE, MANT,
                      EBIAS, FP8_MAX, POW2)
 

@@ -52,6 +52,7 @@ from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_FC1, MODE_PLAIN, 
                                    quantized_copies, separate_epilogue, tiled_width, tma_allowed)
 from ..grouped_gemm import interpreting
 from ..operand_tiles import k_block, operand_tiles
+from ..padded import padded_size
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import expand_bf16, mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
@@ -422,8 +423,7 @@ def fc1_covering(cfg: MXGemmConfig, n: int, bf16_operands: bool) -> MXGemmConfig
     reach the tile's end (FC1 writes a's codes there, zeros past F; the kernel makes cdiv(n, block_n)
     N tiles): whole 128-column tiles, in two stages where the operands are BF16 (three such stages
     need 295 KB of shared memory)."""
-    tiled_n = -(-n // TILE) * TILE
-    if -(-n // cfg.block_n) * cfg.block_n == tiled_n:
+    if padded_size(n, cfg.block_n) == padded_size(n, TILE):
         return cfg
     return dataclasses.replace(cfg, block_n=TILE, num_stages=2 if bf16_operands else cfg.num_stages)
 

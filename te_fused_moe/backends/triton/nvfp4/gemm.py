@@ -42,6 +42,7 @@ import triton.language as tl
 from ..act_math import ACT_IDS, to_output
 from ..block_scaled_launch import GEMM_MODES, MODE_DACT, operand_sources, or_dummy, tma_allowed
 from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting
+from ..padded import padded_size
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import DEQUANT_FACTOR, e2m1_expand_halves
 from .quantize import TILE
@@ -226,7 +227,7 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
         raise ValueError("a, b: the GEMM needs a's rowwise copy and b's copy along the reduction axis")
     num_rows, k = a_data.shape[0], 2 * a_data.shape[1]
     # N may end inside the last tile (padded.py: B's rows zero-padded to it): every store is masked at n
-    if k % BLOCK_K or b_data.shape[1] < -(-n // TILE) * TILE or b_data.shape[2] * 2 != k:
+    if k % BLOCK_K or b_data.shape[1] < padded_size(n, TILE) or b_data.shape[2] * 2 != k:
         raise ValueError(f"NVFP4 GEMM: K={k} (b: {2 * b_data.shape[2]}) must match and be a multiple of {BLOCK_K}, "
                          f"and b's {b_data.shape[1]} rows cover N={n} in whole tiles of {TILE}")
     # exact BF16 expansions written before the GEMM (or held by the weight cache): no expansion in the K loop
