@@ -17,7 +17,8 @@ What is checked, and the bounds:
    NaN/Inf/zero rows); stochastic
    rounding with given bits; weights in 16x16 tiles and in 1x16 blocks, both copies.
 3. Stochastic rounding from Philox: two draws differ, and the mean of 64 draws is closer to the
-   input than one draw by at least 4x (unbiased: the error of the mean falls as 1/sqrt(draws)).
+   input than one draw by at least 4x (unbiased: the error of the mean falls as 1/sqrt(draws)); the
+   random bytes equal a host Philox4x32-10 (one call per 16 columns, 16 bytes) at a tile off the origin.
 4. The whole MLP forward + backward vs the reference backend's emulation of the same recipe with
    stochastic rounding off (the draws cannot match): token counts that are multiples of 16 (what
    TE requires for RHT, and what Megatron's padding for quantized recipes gives): norm-relative
@@ -93,6 +94,7 @@ SR_CASE = ("swiglu-sr", 300, 256, 128, 3, "swiglu", True, True, [96, 32, 128], 4
 
 _KERNELS = {}
 e2m1_encode = e2m1_encode_stochastic = e4m3_to_float = e2m1_expand_halves = None  # bound by _codec_kernels()
+random_bytes = None  # bound by _random_bytes_kernel()
 
 
 def _codec_kernels():
@@ -333,6 +335,67 @@ def check_stochastic_rounding(device: str, draws: int = 64) -> dict:
             "mean_err": err(total / draws)}
 
 
+def _random_bytes_kernel():
+    if "random_bytes" not in _KERNELS:
+        import triton
+        import triton.language as tl
+
+        from te_fused_moe.backends.triton.nvfp4 import quantize
+
+        globals().update(random_bytes=quantize.random_bytes)
+
+        @triton.jit
+        def bytes_kernel(seed_ptr, out_ptr, row0, col0, K, BM: tl.constexpr, BK: tl.constexpr):
+            i = tl.arange(0, BM)[:, None]
+            j = tl.arange(0, BK)[None, :]
+            tl.store(out_ptr + i * BK + j, random_bytes(tl.load(seed_ptr), row0 + tl.arange(0, BM), col0, K, BM, BK))
+
+        _KERNELS["random_bytes"] = bytes_kernel
+    return _KERNELS["random_bytes"]
+
+
+def _mul32(a: int, b: torch.Tensor):
+    """(low, high) 32 bits of the 64-bit product of 32-bit ``a`` and ``b``, in int64 without overflow
+    (16-bit halves of ``b``)."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    low = (a * b_lo + (((a * b_hi) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    high = (a * b_hi + ((a * b_lo) >> 16)) >> 16
+    return low, high
+
+
+def philox4x32_10(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Philox4x32 with 10 rounds (Salmon et al. 2011; the constants of Triton's ``randint4x``), key
+    ``(seed, 0)``, counter ``(c, 0, 0, 0)``: ``[n, 4]`` 32-bit words in int64, computed on the host."""
+    mask = 0xFFFFFFFF
+    c0 = counters.to(torch.int64) & mask
+    c1, c2, c3 = (torch.zeros_like(c0) for _ in range(3))
+    k0, k1 = seed & mask, 0
+    for _ in range(10):
+        lo0, hi0 = _mul32(0xD2511F53, c0)
+        lo2, hi2 = _mul32(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+    return torch.stack([c0, c1, c2, c3], dim=-1)
+
+
+def check_random_bytes(device: str) -> dict:
+    """The stochastic passes' random bytes (``random_bytes``) at a [32, 64] tile of a 320-wide tensor
+    (rows 96-127, columns 192-255) vs their definition: byte b of word w of Philox4x32-10 at counter
+    row * 20 + column // 16 goes to column 16 (column // 16) + 4 w + b."""
+    bytes_kernel = _random_bytes_kernel()
+    seed = int(torch.randint(1, 2**31 - 1, (1,)))
+    BM, BK, K, row0, col0 = 32, 64, 320, 96, 192
+    out = torch.full((BM, BK), -1, dtype=torch.int32, device=device)
+    bytes_kernel[(1,)](torch.tensor([seed], dtype=torch.int32, device=device), out, row0, col0, K, BM=BM, BK=BK)
+    rows = torch.arange(row0, row0 + BM)[:, None]
+    cols = torch.arange(col0, col0 + BK)[None, :]
+    words = philox4x32_10(seed, (rows * (K // 16) + cols // 16).reshape(-1)).reshape(BM, BK, 4)
+    word = torch.gather(words, 2, ((cols % 16) // 4).expand(BM, BK)[..., None])[..., 0]
+    expected = (word >> (8 * (cols % 4))) & 0xFF
+    got = out.cpu().to(torch.int64)
+    return {"seed": seed, "bad": int((got != expected).sum()), "distinct": int(got.unique().numel())}
+
+
 def check_weight_cache(device: str) -> dict:
     """Quantized once per optimizer step (fp8_block's cache rules) with NVFP4 copies."""
     from te_fused_moe.backends.triton.fp8_block.quantize import WeightCache
@@ -522,6 +585,7 @@ def _worker() -> None:
         "codec": check_codec("cpu"),
         "quantize": check_quantize_kernels("cpu"),
         "sr": check_stochastic_rounding("cpu", draws=32),
+        "random_bytes": check_random_bytes("cpu"),
         "cache": check_weight_cache("cpu"),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
@@ -568,6 +632,11 @@ def test_stochastic_rounding_draws_are_unbiased(results):
     s = results["sr"]
     assert s["draws_differ"], s
     assert s["mean_err"] < s["one_draw_err"] / 4, s
+
+
+def test_random_bytes_are_philox_per_16_columns(results):
+    r = results["random_bytes"]
+    assert r["bad"] == 0 and r["distinct"] > 200, r  # 2048 bytes: all 256 values expected
 
 
 def test_weight_cache_refreshes_once_per_step(results):

@@ -7,6 +7,7 @@ the measured errors). The checks are those of tests/test_triton_nvfp4_interprete
   rounding with given bits), weights (16x16 and 1x16) and weight cache: bit-exact vs quantize/nvfp4.py
   (the E4M3 scale cast is the hardware ``cvt`` here);
 - Philox stochastic rounding: draws differ, the mean of 64 draws is >= 4x closer than one draw;
+  the random bytes are those of one Philox4x32-10 call per 16 columns (a host implementation);
 - the whole MLP forward + backward vs the reference backend's emulation (stochastic rounding off;
   GPT-OSS's 2880 too, on zero-padded operands), under ``torch.cuda.set_sync_debug_mode("error")``,
   every buffer NaN-poisoned. Bounds: 2e-2 with
@@ -55,6 +56,11 @@ def test_stochastic_rounding_unbiased_on_gpu():
     s = checks.check_stochastic_rounding("cuda")
     print("NVFP4_SR", json.dumps(s))
     assert s["draws_differ"] and s["mean_err"] < s["one_draw_err"] / 4, s
+
+
+def test_random_bytes_are_philox_per_16_columns_on_gpu():
+    r = checks.check_random_bytes("cuda")
+    assert r["bad"] == 0 and r["distinct"] > 200, r
 
 
 def test_weight_cache_on_gpu():
