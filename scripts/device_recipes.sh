@@ -2,16 +2,18 @@
 # What the device machine runs for the block-scaled recipes (runs 22 on): their GPU tests, then the
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
-#   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench]
+#   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
 #          [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
 # also times its factor_by_fma variant (the promotion as FFMAs only, so that the yields cover all of it).
-# padded_*: sizes off the 128 tile (PADDED_RECIPES, PADDED_ONLY: bench_recipes' --recipes / --only) (backends/triton/padded.py): the FP8 block and MXFP8 GPU tests of that path
+# padded_*: sizes off the 128 tile (PADDED_RECIPES, PADDED_ONLY: bench_recipes' --recipes / --implementations) (backends/triton/padded.py): the FP8 block and MXFP8 GPU tests of that path
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
+# nvfp4_bench: NVFP4 fused vs BF16 unfused at DSv3 with its kernels (the quantize passes with and without
+# stochastic rounding among them).
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -54,9 +56,11 @@ for s in $STEPS; do
                     tests/gpu/test_triton_fp8_block_gpu.py tests/gpu/test_triton_mxfp8_gpu.py -k "padded";;
     padded_bench) step recipes_gpt_oss "${PADDED_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes "${PADDED_RECIPES:-fp8_block,mxfp8,nvfp4}" --shapes gpt-oss --no-kernels --rounds "${ROUNDS:-3}" \
-                    ${PADDED_ONLY:+--only "$PADDED_ONLY"} --out "$OUT/recipes_gpt_oss";;
+                    ${PADDED_ONLY:+--implementations "$PADDED_ONLY"} --out "$OUT/recipes_gpt_oss";;
     padded_profile) step profile_gpt_oss "${PROFILE_TIMEOUT:-150}" python scripts/profile_mlp.py \
                       --impls fp8_block_fused,mxfp8_fused,bf16_fused --shape gpt-oss --out "$OUT/profile_gpt_oss";;
+    nvfp4_bench) step recipes_nvfp4 "${NVFP4_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes nvfp4 \
+                   --shapes dsv3-e32 --implementations nvfp4_fused --out "$OUT/recipes_nvfp4";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
                    --shapes dsv3-e32 --out "$OUT/recipes_mxfp8";;
   esac
