@@ -761,6 +761,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [n for n in names if n not in bench.SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; expected names from {sorted(bench.SHAPES)}")
+    if args.only and not args.variants:
+        parser.error("--only picks configs of --variants and means nothing without it; "
+                     "to time some implementations, use --implementations")
     if not torch.cuda.is_available():
         parser.error("the benchmark times FP8 kernels on a CUDA GPU (Hopper)")
     if args.variants:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from te_fused_moe.bench_recipes import selected_implementations
+from te_fused_moe.bench_recipes import main, selected_implementations
 
 
 def test_recipe_brings_its_pair_and_variants_and_the_bf16_pair():
@@ -20,3 +20,10 @@ def test_only_keeps_the_named_ones_and_the_baseline():
 def test_only_names_an_unknown_implementation():
     with pytest.raises(ValueError, match=r"only: \['mxfp8_fused'\].*fp8_block_fused"):
         selected_implementations(["fp8_block"], only=["fp8_block_fused", "mxfp8_fused"])
+
+
+def test_only_without_variants_is_refused_not_ignored(capsys):
+    # session 21's device script passed --only where it meant --implementations, and it was ignored
+    with pytest.raises(SystemExit):
+        main(["--shapes", "gpt-oss", "--only", "fp8_block_fused"])
+    assert "--only picks configs of --variants" in capsys.readouterr().err
