@@ -24,9 +24,9 @@ BF16 values (``expand_values``, ``with_values``): each code times its E4M3 block
 tensor scale stays apart), the layouts above with K (or the tokens) unpacked and each 128-wide block
 stored even elements first, as the GEMMs' split dots pair them.
 
-Gradients may be rounded stochastically: 8 bits per element from Philox (``tl.randint``) keyed by
-a seed drawn on the device (graph-safe), or from given ``random_bits`` (tests: bit-exact against
-``quantize.nvfp4`` with the same bits).
+Gradients may be rounded stochastically: 8 bits per element from Philox (``random_bytes``: one
+``tl.randint4x`` per 16 columns) keyed by a seed drawn on the device (graph-safe), or from given
+``random_bits`` (tests: bit-exact against ``quantize.nvfp4`` with the same bits).
 
 The copies' widths are multiples of 128; other H and F are read as zero-padded to them (``width=``,
 :mod:`..padded` and the NVFP4 autograd).
