@@ -4,7 +4,7 @@ encode multiplier of a 1x16 block, the E2M1 encodings (nearest-even and stochast
 expansion of packed E2M1 codes times their block scales to BF16 for the GEMMs.
 
 Hopper has no FP4 conversion instruction (``cvt.rn.satfinite.e2m1x2.f32`` is sm_100+), so the
-E2M1 rounding is done by comparisons against the midpoints of the E2M1 grid; the E4M3 scale cast
+E2M1 rounding is FP32 rounding at the grid's spacing (:func:`e2m1_round_magnitude`); the E4M3 scale cast
 is ``fp8_block.codec.encode_fp8`` (the hardware ``cvt`` on the GPU).
 """
 
@@ -68,13 +68,29 @@ def block_scale(block_amax, s_enc, s_dec):
 
 
 @triton.jit
+def e2m1_round_magnitude(a):
+    """Non-negative FP32 ``a`` rounded onto the E2M1 grid (0, 0.5, 1, 1.5, 2, 3, 4, 6), nearest, ties
+    to even, saturated to 6. Adding and subtracting 2^22, 2^23 or 2^24 makes FP32 round at the grid's
+    spacing there (0.5 below 2, 1 below 4, 2 from 4 on), and an even E2M1 code is an even multiple
+    of that spacing, so FP32's ties-to-even are E2M1's. Two selects and two adds instead of seven
+    compares against the midpoints (the NVFP4 quantize passes are bound by instructions)."""
+    magic = tl.where(a >= 4.0, 16777216.0, tl.where(a >= 2.0, 8388608.0, 4194304.0))
+    return tl.minimum((a + magic) - magic, E2M1_MAX)
+
+
+@triton.jit
+def e2m1_grid_code(q):
+    """Magnitude code of FP32 ``q`` on the E2M1 grid: from 1 on, its exponent and first mantissa bit
+    (bits >> 22 is 254 for 1.0, 255 for 1.5, ... 259 for 6.0: codes 2 to 7); 0.5 -> 1, 0 -> 0."""
+    code = (q.to(tl.int32, bitcast=True) >> 22) - 252
+    return tl.maximum(code, 0) + (q == 0.5).to(tl.int32)
+
+
+@triton.jit
 def e2m1_encode(v):
     """uint8 E2M1 code (sign bit 3) of FP32 ``v``: nearest, ties to even, satfinite to +-6, NaN -> +6,
-    sign of zero kept. The magnitude code counts the grid midpoints below |v| (0.25, 0.75, 1.25,
-    1.75, 2.5, 3.5, 5); a tie goes to the even code, hence ``>`` or ``>=`` per midpoint."""
-    a = tl.abs(v)
-    mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-           + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    sign of zero kept."""
+    mag = e2m1_grid_code(e2m1_round_magnitude(tl.abs(v)))
     sign = ((v.to(tl.uint32, bitcast=True) >> 28) & 8).to(tl.int32)
     return tl.where(v != v, 7, mag | sign).to(tl.uint8)
 
@@ -96,7 +112,7 @@ def e2m1_encode_stochastic(v, bits):
     step = e2m1_step(t)
     q = tl.minimum(tl.floor(t / step) * step, E2M1_MAX)
     sign = ((v.to(tl.uint32, bitcast=True) >> 28) & 8).to(tl.int32)
-    code = e2m1_encode(q).to(tl.int32) | sign  # q is on the grid: the nearest-even encoding is exact
+    code = e2m1_grid_code(q) | sign
     return tl.where(v != v, 7, code).to(tl.uint8)
 
 
