@@ -8,7 +8,8 @@ What is checked, and the bounds:
 
 1. Device functions (``nvfp4/codec.py``): the E2M1 nearest-even and stochastic encodings bit-exact
    vs ``formats.encode`` / ``formats.stochastic_round_e2m1`` on the grid's midpoints, signed zeros,
-   NaN/Inf, FP32 subnormals and random FP32 values; the E4M3 scale decode on all 127 finite codes;
+   NaN/Inf, FP32 subnormals, random FP32 values and every 16385th FP32 bit pattern of (-8, 8); the E4M3
+   scale decode on all 127 finite codes;
    the BF16 expansion of packed codes times scales vs ``nvfp4.unpack_e2m1`` x ``formats.decode``.
 2. Quantize kernels: packed codes and E4M3 scales bit-exact vs ``te_fused_moe.quantize.nvfp4``
    per expert (each expert its own tensor scale): rowwise 1x16; columnwise 16-token blocks
@@ -149,7 +150,11 @@ def check_codec(device: str, n_random: int = 50000) -> dict:
     encode_kernel, expand_kernel = _codec_kernels()
     g = torch.Generator().manual_seed(0)
     random = (torch.randn(n_random, generator=g) * torch.exp2(torch.randint(-6, 6, (n_random,), generator=g).float()))
-    v = torch.cat([_e2m1_edge_values(), random]).float()
+    # every 16385th FP32 bit pattern in [0, 8) from a fresh start (reported): the encoding rounds by
+    # adding and subtracting powers of two, so every binade and every spacing of the grid gets swept
+    start = int(torch.randint(0, 16385, (1,)))
+    sweep = torch.arange(start, 0x41000000, 16385, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    v = torch.cat([_e2m1_edge_values(), random, sweep, -sweep]).float()
     bits = torch.randint(0, 256, v.shape, generator=g, dtype=torch.uint8)
     codes = torch.arange(v.numel(), dtype=torch.int64).remainder(127).to(torch.uint8)  # every finite E4M3 code
     rne, sr = torch.empty(v.shape, dtype=torch.uint8, device=device), torch.empty(v.shape, dtype=torch.uint8,
@@ -158,7 +163,7 @@ def check_codec(device: str, n_random: int = 50000) -> dict:
     n = v.numel()
     encode_kernel[((n + 1023) // 1024,)](v.to(device), bits.to(device), rne, sr, codes.to(device), dec, n,
                                          BLOCK=1024)
-    out = {"n": n,
+    out = {"n": n, "sweep_start": start,
            "rne": int((rne.cpu() != formats.encode(v, formats.E2M1)).sum()),
            "stochastic": int((sr.cpu() != formats.stochastic_round_e2m1(v, bits)).sum()),
            "e4m3_decode": int((dec.cpu() != formats.decode(codes, formats.E4M3)).sum())}
@@ -618,7 +623,7 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
 
 def test_codec_is_bit_exact(results):
     c = results["codec"]
-    assert c["n"] > 50000
+    assert c["n"] > 50000 + 2 * 66000
     assert c["rne"] == 0 and c["stochastic"] == 0 and c["e4m3_decode"] == 0 and c["expand"] == 0, c
 
 
