@@ -110,7 +110,9 @@ def e2m1_encode_stochastic(v, bits):
     a = tl.abs(v)
     t = a + (bits.to(tl.float32) * (1.0 / 256.0)) * e2m1_step(a)
     step = e2m1_step(t)
-    q = tl.minimum(tl.floor(t / step) * step, E2M1_MAX)
+    # t / step without a division: step is a power of two, so t * (1 / step) is the same FP32 value
+    per_step = tl.where(t >= 4.0, 0.5, tl.where(t >= 2.0, 1.0, 2.0))
+    q = tl.minimum(tl.floor(t * per_step) * step, E2M1_MAX)
     sign = ((v.to(tl.uint32, bitcast=True) >> 28) & 8).to(tl.int32)
     code = e2m1_grid_code(q) | sign
     return tl.where(v != v, 7, code).to(tl.uint8)
