@@ -88,10 +88,6 @@ class RecipeKernels:
         not. Other sizes run zero-padded (:mod:`.padded`)."""
         return tile_multiples(self.recipe_name, self.tile, hidden, ffn)
 
-    def unsupported_shapes(self, hidden: int, ffn: int) -> Optional[str]:
-        """None: every hidden / FFN size runs, tile multiples as they are, others zero-padded."""
-        return None
-
     def expert_mlp(self, args) -> torch.Tensor:
         """Entry from the backend (``ExpertMLPArgs``)."""
         mlp = BlockScaledExpertMLP

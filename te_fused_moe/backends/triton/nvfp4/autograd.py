@@ -180,13 +180,6 @@ class NVFP4Kernels:
     def unsupported(recipe) -> Optional[str]:
         return None  # every NVFP4BlockScaling option (RHT, stochastic rounding, 1D/2D weights) is implemented
 
-    def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
-        return block_scaled.tile_multiples(self.recipe_name, self.tile, hidden, ffn)
-
-    def unsupported_shapes(self, hidden: int, ffn: int) -> Optional[str]:
-        """None: every hidden / FFN size runs (others than tile multiples on zero-padded operands)."""
-        return None
-
     @staticmethod
     def expert_mlp(args) -> torch.Tensor:
         return NVFP4ExpertMLP.apply(args.x, args.tokens_per_expert, args.w1, args.w2, args.b1, args.b2, args.probs,
