@@ -9,6 +9,28 @@ import contextlib
 import torch
 
 GRADS = ("x", "w1", "w2", "b1", "b2", "probs")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def poisoned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled so that an element no kernel writes shows up: NaN (FP8: the NaN code 0x7F, written
+    through a byte view; uint8 codes and scales: 0xFF, E8M0's NaN)."""
+    if t.dtype in FP8_DTYPES:
+        t.view(torch.uint8).fill_(0x7F)
+        return t
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0xFF)
+
+
+def poison_alloc(*args, **kwargs) -> torch.Tensor:
+    """``torch.empty`` poisoned: the kernels' and quantizers' ``alloc``."""
+    return poisoned(torch.empty(*args, **kwargs))
+
+
+def unwritten(t: torch.Tensor) -> int:
+    """Elements of ``t`` still holding :func:`poisoned`'s value."""
+    if t.element_size() == 1:
+        return int((t.view(torch.uint8) == (0xFF if t.dtype == torch.uint8 else 0x7F)).sum())
+    return int(torch.isnan(t).sum())
 
 
 def compare_with_reference(p, recipe, activation, dy, frozen=(), alloc=torch.empty, h_fp32=True, gemm=None,

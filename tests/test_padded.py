@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from block_scaled_checks import poison_alloc, unwritten
 from moe_reference import run_in_triton_interpreter
 
 pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
@@ -53,13 +54,11 @@ def test_weight_cache_keeps_padded_copies_apart():
 def test_which_recipes_take_which_sizes():
     """Every block-scaled recipe takes every size: FP8 block and MXFP8 tile multiples on the tile-aligned
     Function and others on the zero-padded one (check_shapes names the size that sends a call there),
-    NVFP4 both in its one Function."""
+    NVFP4 both in its one Function (the backend's verdict: test_backend_routes_gpt_oss_sizes_...)."""
     from te_fused_moe.backends.triton.fp8_block.autograd import KERNELS as FP8_BLOCK
     from te_fused_moe.backends.triton.mxfp8.autograd import KERNELS as MXFP8
-    from te_fused_moe.backends.triton.nvfp4.autograd import KERNELS as NVFP4
 
-    for kernels in (FP8_BLOCK, MXFP8, NVFP4):
-        assert kernels.unsupported_shapes(2880, 2880) is None and kernels.unsupported_shapes(256, 128) is None
+    for kernels in (FP8_BLOCK, MXFP8):
         assert kernels.check_shapes(256, 128) is None
         assert "w1:" in kernels.check_shapes(2880, 256) and "got 2880" in kernels.check_shapes(2880, 256)
 
@@ -128,8 +127,8 @@ def check_glu_passes(device: str, seed: int = 0) -> dict:
         h = (torch.randn(T, width, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
         da = torch.randn(T, a_width, generator=g).to(device=device, dtype=torch.bfloat16)
         probs = torch.rand(T, generator=g).to(device) + 0.1
-        a = glu_forward(h, F, a_width, schedule, E, probs, act.launch_args, alloc=_poisoned)
-        dh, dprob = glu_backward(da, h, F, schedule, E, probs, act.launch_args, True, alloc=_poisoned)
+        a = glu_forward(h, F, a_width, schedule, E, probs, act.launch_args, alloc=poison_alloc)
+        dh, dprob = glu_backward(da, h, F, schedule, E, probs, act.launch_args, True, alloc=poison_alloc)
         routed = int(counts.sum())
         h64, da64 = h[:routed, :units].double().cpu(), da[:routed, :F].double().cpu()
         p64 = probs[:routed].double().cpu()
@@ -151,19 +150,6 @@ def check_glu_passes(device: str, seed: int = 0) -> dict:
 
 # (activation, T, H, F, experts, padding rows): F off the tile, the gate / up boundary inside a tile
 FC1_CASES = [("swiglu", 260, 192, 80, 3, 5), ("gpt_oss_swiglu", 200, 128, 136, 4, 9), ("srelu", 150, 96, 72, 2, 7)]
-
-
-def _poisoned(shape, device, dtype):
-    """A buffer of NaN (FP8: the NaN code; uint8 E8M0 scales: 0xFF, E8M0's NaN)."""
-    t = torch.empty(shape, device=device, dtype=dtype)
-    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0xFF)
-
-
-def _unwritten(t: torch.Tensor) -> int:
-    """Elements of ``t`` still holding :func:`_poisoned`'s value."""
-    if t.element_size() == 1:
-        return int((t.view(torch.uint8) == (0xFF if t.dtype == torch.uint8 else 0x7F)).sum())
-    return int(torch.isnan(t).sum())
 
 
 def _fc1_variants():
@@ -209,25 +195,25 @@ def check_fc1_epilogue_off_tile(device: str, seed: int = 0) -> dict:
         probs = (torch.rand(T, generator=g) + 0.1).to(device)
         for variant, k, spec, h_dtype, input_dtype in _fc1_variants():
             read = k.operand_reader()
-            xq = k.quantize_rows(x, schedule, E, spec, alloc=_poisoned, width=H_p)
+            xq = k.quantize_rows(x, schedule, E, spec, alloc=poison_alloc, width=H_p)
             w1q = k.quantize_weight(w1, spec, transposed=False)
             x_op, w1_op = read(xq.data, xq.scale), read(w1q.data, w1q.scale)
             fp8_gemm.EPILOGUE_INPUT_DTYPE = input_dtype
             try:
-                h = _poisoned((T, n1_p), device, h_dtype)
-                fused = k.new_rows(T, F_p, x, spec, E, True, True, _poisoned)
+                h = poison_alloc((T, n1_p), device=device, dtype=h_dtype)
+                fused = k.new_rows(T, F_p, x, spec, E, True, True, poison_alloc)
                 k.gemm.launch("fc1", x_op, xq.scale, w1_op, w1q.scale, F, schedule, E, spec, q=fused, h=h,
                               h_up_offset=F, b_up_rows=F, bias=b1, bias_up_offset=F, probs=probs, **act)
             finally:
                 fp8_gemm.EPILOGUE_INPUT_DTYPE = None
             # the same values through the passes: act of h, or of the FP32 GEMM output the epilogue read
-            h_in = _poisoned((T, n1_p), device, input_dtype or h_dtype)
+            h_in = poison_alloc((T, n1_p), device=device, dtype=input_dtype or h_dtype)
             k.gemm.launch("fc2", x_op, xq.scale, w1_op, w1q.scale, n1_p, schedule, E, spec, c=h_in, bias=b1)
-            a = glu_forward(h_in, F, F_p, schedule, E, probs, act, _poisoned)
-            passes = k.quantize_rows(a, schedule, E, spec, colwise=True, alloc=_poisoned)
+            a = glu_forward(h_in, F, F_p, schedule, E, probs, act, poison_alloc)
+            passes = k.quantize_rows(a, schedule, E, spec, colwise=True, alloc=poison_alloc)
             r = {part: int((bits(getattr(fused, part)) != bits(getattr(passes, part))).sum())
                  for part in ("data", "scale", "data_t", "scale_t")}
-            r["unwritten"] = _unwritten(fused.data) + _unwritten(fused.scale)
+            r["unwritten"] = unwritten(fused.data) + unwritten(fused.scale)
             r["nonzero_past_f"] = int((fused.data[:, F:].view(torch.uint8) != 0).sum())
             r["h"] = int((bits(h[:, :n1]) != bits(h_in[:, :n1].to(h_dtype))).sum())
             out[f"{name}-{variant}"] = r
@@ -262,10 +248,10 @@ def check_quantize_width(device: str, seed: int = 2) -> dict:
                "nvfp4_stochastic": (nv_rows, NVSpec(stochastic=True, rht=True), {"random_bits": given})}
     out = {}
     for name, (quantize, spec, extra) in recipes.items():
-        sums = [_poisoned((max_m_tiles(T, E, 128), width), device, torch.float32) for _ in range(2)]
-        read_padded = quantize(x, schedule, E, spec, colwise=True, alloc=_poisoned, col_sums=sums[0], width=width,
+        sums = [poison_alloc((max_m_tiles(T, E, 128), width), device=device, dtype=torch.float32) for _ in range(2)]
+        read_padded = quantize(x, schedule, E, spec, colwise=True, alloc=poison_alloc, col_sums=sums[0], width=width,
                                **extra)
-        copied = quantize(zero_padded(x, (T, width)), schedule, E, spec, colwise=True, alloc=_poisoned,
+        copied = quantize(zero_padded(x, (T, width)), schedule, E, spec, colwise=True, alloc=poison_alloc,
                           col_sums=sums[1], **extra)
         parts = [p for p in ("data", "scale", "data_t", "scale_t", "amax", "amax_t")
                  if getattr(copied, p, None) is not None]
@@ -304,14 +290,14 @@ def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
         h = (torch.randn(T, n1_p, generator=g) * 3).to(device=device, dtype=torch.bfloat16)
         da = torch.randn(T, F_p, generator=g).to(device=device, dtype=torch.bfloat16)
         probs = (torch.rand(T, generator=g) + 0.1).to(device)
-        sums = [_poisoned((max_m_tiles(T, E, 128), n1_p), device, torch.float32) for _ in range(2)]
+        sums = [poison_alloc((max_m_tiles(T, E, 128), n1_p), device=device, dtype=torch.float32) for _ in range(2)]
         fused, dprob = dglu_quantized(da, h, F, schedule, E, probs, act, True, spec, rowwise=True, colwise=True,
-                                      col_sums=sums[0], alloc=_poisoned)
-        dh, dprob_ref = glu_backward(da, h, F, schedule, E, probs, act, True, _poisoned)
-        passes = quantize_rows(dh, schedule, E, spec, colwise=True, alloc=_poisoned, col_sums=sums[1])
+                                      col_sums=sums[0], alloc=poison_alloc)
+        dh, dprob_ref = glu_backward(da, h, F, schedule, E, probs, act, True, poison_alloc)
+        passes = quantize_rows(dh, schedule, E, spec, colwise=True, alloc=poison_alloc, col_sums=sums[1])
         r = {part: int((bits(getattr(fused, part)) != bits(getattr(passes, part))).sum())
              for part in ("data", "scale", "data_t", "scale_t")}
-        r["unwritten"] = _unwritten(fused.data) + _unwritten(fused.scale)
+        r["unwritten"] = unwritten(fused.data) + unwritten(fused.scale)
         r["nonzero_past_units"] = int((fused.data[:, n1:].view(torch.uint8) != 0).sum())
         tiles = int(schedule[2 * (E + 1) - 1])  # the tiles in use (the padding group's end)
         r["dprob"], r["db1"] = rel(dprob, dprob_ref), rel(sums[0][:tiles, :n1], sums[1][:tiles, :n1])

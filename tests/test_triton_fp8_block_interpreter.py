@@ -41,6 +41,7 @@ from typing import Optional
 import pytest
 import torch
 
+from block_scaled_checks import poison_alloc, poisoned
 from moe_reference import run_in_triton_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +204,7 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
         sched = build_schedule(counts, T, 128)
         vfi = float(torch.finfo(dtype).max)
         q = Q.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, value_for_inf=vfi,
-                            alloc=lambda *a, **k: _poisoned(torch.empty(*a, **k)))
+                            alloc=poison_alloc)
         xr = x.cpu()
         r = ref.quantize(xr, (1, 128), axis=1, power_2_scale=pow2, fp8_format=fmt)
         bad = {"row_data": _diff8(q.data, r.data), "row_scale": _diff32(q.scale, r.scale), "col_data": 0,
@@ -226,17 +227,6 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
             bad["w_scale"] += _diff32(qw.scale[e], rw.scale)
         out[f"{dtype}-{fmt}-pow2={pow2}-{routing}-T{T}-K{K}"] = bad
     return out
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _poisoned(t):
-    """NaN everywhere (FP8: the NaN code 0x7F, written through a byte view)."""
-    if t.dtype in FP8_DTYPES:
-        t.view(torch.uint8).fill_(0x7F)
-        return t
-    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0xFF)
 
 
 def _diff8(a, b) -> int:
@@ -315,10 +305,10 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     spec = Q.FP8Spec.of("e4m3", True)
     sched = build_schedule(d(counts, torch.int64), T, 128)
     tiles = max_m_tiles(T, E, 128)
-    alloc = lambda *a, **k: _poisoned(torch.empty(*a, **k))
+    alloc = poison_alloc
     xq = Q.quantize_rows(d(x), sched, E, spec, rowwise=True, colwise=True, alloc=alloc)
     w1q, w2q = Q.quantize_weight(d(w1), spec), Q.quantize_weight(d(w2), spec)
-    h = _poisoned(torch.empty(T, n1, device=device, dtype=h_dtype))
+    h = poisoned(torch.empty(T, n1, device=device, dtype=h_dtype))
     aq = Q.QuantizedRows(alloc((T, F), device=device, dtype=spec.torch_dtype), Q.new_row_scales(T, F, h, alloc),
                          Q.new_transposed(F, T, E, h, spec.torch_dtype, alloc), alloc((tiles, F), device=device, dtype=torch.float32))
     p = d(probs, torch.float32)
@@ -328,24 +318,24 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     gemm.launch("fc1", xq.data, xq.scale, w1q.data, w1q.scale, F, sched, E, spec, q=aq, h=h, h_up_offset=F,
                 b_up_rows=F, probs=p, activation=activation, gated=act.gated, alpha=act.alpha, limit=act.limit,
                 config=fc1_cfg)
-    y = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
+    y = poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("fc2", aq.data, aq.scale, w2q.data, w2q.scale, H, sched, E, spec, c=y)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=alloc)
     dhq = Q.QuantizedRows(alloc((T, n1), device=device, dtype=spec.torch_dtype), Q.new_row_scales(T, n1, h, alloc),
                           Q.new_transposed(n1, T, E, h, spec.torch_dtype, alloc), alloc((tiles, n1), device=device, dtype=torch.float32))
-    dprob = _poisoned(torch.empty(F // 128, T, device=device))
-    dbias = _poisoned(torch.empty(tiles, n1, device=device))
+    dprob = poisoned(torch.empty(F // 128, T, device=device))
+    dbias = poisoned(torch.empty(tiles, n1, device=device))
     dact_cfg = dataclasses.replace(gemm.default_config("dact"), split_epilogue=split_epilogue, epilogue=epilogue)
     gemm.launch("dact", dyq.data, dyq.scale, w2q.data_t, w2q.scale_t, F, sched, E, spec, q=dhq, q_up_offset=F, h=h,
                 h_up_offset=F, probs=p, dprob=dprob, dbias=dbias, activation=activation, gated=act.gated,
                 alpha=act.alpha, limit=act.limit, config=dact_cfg)
-    dx = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
+    dx = poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("dgrad", dhq.data, dhq.scale, w1q.data_t, w1q.scale_t, H, sched, E, spec, c=dx)
-    dw1 = _poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
-    dw2 = _poisoned(torch.empty(E, H, F, device=device, dtype=torch.bfloat16))
+    dw1 = poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
+    dw2 = poisoned(torch.empty(E, H, F, device=device, dtype=torch.bfloat16))
     fp8_grouped_wgrad(dyq, aq, sched, dw2)
     fp8_grouped_wgrad(dhq, xq, sched, dw1)
-    db1 = _poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
+    db1 = poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
     tile_sums_to_experts(dbias, sched, db1)
 
     # ground truth on the CPU, FP32 values quantized by the reference quantizer
@@ -431,7 +421,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, f32s, tma, frozen = case[:14]
     fmt = case[14] if len(case) > 14 else "E4M3"
     real_alloc = torch.empty
-    alloc = (lambda *a, **k: _poisoned(real_alloc(*a, **k))) if poison else torch.empty
+    alloc = (lambda *a, **k: poisoned(real_alloc(*a, **k))) if poison else torch.empty
     recipe = Float8BlockScaling(use_f32_scales=f32s, fp8_format=Format[fmt])
     p = random_problem(T, H, F, E, activation=act, dtype=torch.bfloat16, device=device, bias=bias, probs=probs,
                        routing=routing, padding=padding, seed=seed)

@@ -43,6 +43,7 @@ import sys
 import pytest
 import torch
 
+from block_scaled_checks import poison_alloc, poisoned
 from moe_reference import run_in_triton_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,20 +175,6 @@ def _nasty(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _poisoned(t):
-    """NaN everywhere (FP8: the NaN code 0x7F; uint8 scales: 0xFF, E8M0's NaN)."""
-    if t.dtype in FP8_DTYPES:
-        t.view(torch.uint8).fill_(0x7F)
-        return t
-    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0xFF)
-
-
-def _poison_alloc(*a, **k):
-    return _poisoned(torch.empty(*a, **k))
-
 
 def _diff8(a, b) -> int:
     return int((a.cpu().contiguous().view(torch.uint8) != b.cpu().contiguous().view(torch.uint8)).sum())
@@ -213,7 +200,7 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
         E = 4
         counts = make_counts(T, E, routing, generator=g, padding=11).to(device)
         sched = build_schedule(counts, T, 128)
-        q = Q.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, alloc=_poison_alloc)
+        q = Q.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc)
         xr = x.cpu()
         r = ref.quantize(xr, axis=1, fp8_format=fmt)
         bad = {"row_data": _diff8(q.data, r.data), "row_scale": _diff8(q.scale, r.scale), "col_data": 0,
@@ -230,7 +217,7 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
             tail = q.data_t[:, 128 * ts + (re_ - rs): 128 * te_].cpu().view(torch.uint8)
             bad["col_tail_nonzero"] += int((tail != 0).sum())
         w = _nasty(torch.randn(3 * 256, K, generator=g).to(dtype)).reshape(3, 256, K).to(device)
-        qw = Q.quantize_weight(w, spec, alloc=_poison_alloc)
+        qw = Q.quantize_weight(w, spec, alloc=poison_alloc)
         bad.update(w_data=0, w_scale=0, w_data_t=0, w_scale_t=0)
         for e in range(3):
             rw = ref.quantize(w[e].cpu(), axis=1, fp8_format=fmt)
@@ -316,35 +303,35 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     wspec, spec = Q.MXSpec(), Q.MXSpec.of(fmt)
     sched = build_schedule(d(counts, torch.int64), T, 128)
     tiles = max_m_tiles(T, E, 128)
-    xq = Q.quantize_rows(d(x), sched, E, wspec, rowwise=True, colwise=True, alloc=_poison_alloc)
+    xq = Q.quantize_rows(d(x), sched, E, wspec, rowwise=True, colwise=True, alloc=poison_alloc)
     w1q, w2q = Q.quantize_weight(d(w1), wspec), Q.quantize_weight(d(w2), wspec)
-    h = _poisoned(torch.empty(T, n1, device=device, dtype=h_dtype))
-    aq = new_rows(T, F, h, spec, E, True, True, alloc=_poison_alloc)
+    h = poisoned(torch.empty(T, n1, device=device, dtype=h_dtype))
+    aq = new_rows(T, F, h, spec, E, True, True, alloc=poison_alloc)
     p = d(probs, torch.float32)
     read = read_expanded if values else as_quantized
     cols = lambda q: MXRows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
     cfg = dataclasses.replace(gemm.default_config("fc1", values), **(epilogue or {}))
     gemm.launch("fc1", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, F, sched, E, spec,
                 q=aq, h=h, probs=p, activation="srelu", gated=False, config=cfg)
-    y = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
+    y = poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     pcfg = dataclasses.replace(gemm.default_config("fc2", values), **(plain or {}))
     wcfg = dataclasses.replace(wgrad_default(values), **(wgrad or {}))
     gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, H, sched, E, wspec,
                 c=y, config=pcfg)
-    dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=_poison_alloc)
-    dhq = new_rows(T, n1, h, spec, E, True, True, alloc=_poison_alloc)
-    dprob = _poisoned(torch.empty(F // cfg.block_n, T, device=device))
-    dbias = _poisoned(torch.empty(tiles, n1, device=device))
+    dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc)
+    dhq = new_rows(T, n1, h, spec, E, True, True, alloc=poison_alloc)
+    dprob = poisoned(torch.empty(F // cfg.block_n, T, device=device))
+    dbias = poisoned(torch.empty(tiles, n1, device=device))
     gemm.launch("dact", read(dyq.data, dyq.scale), dyq.scale, read(w2q.data_t, w2q.scale_t), w2q.scale_t, F, sched,
                 E, spec, q=dhq, h=h, probs=p, dprob=dprob, dbias=dbias, activation="srelu", gated=False, config=cfg)
-    dx = _poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
+    dx = poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(w1q.data_t, w1q.scale_t), w1q.scale_t, H, sched,
                 E, spec, c=dx, config=pcfg)
-    dw1 = _poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
-    dw2 = _poisoned(torch.empty(E, H, F, device=device, dtype=torch.bfloat16))
+    dw1 = poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
+    dw2 = poisoned(torch.empty(E, H, F, device=device, dtype=torch.bfloat16))
     mx_grouped_wgrad(cols(dyq), cols(aq), sched, dw2, config=wcfg)
     mx_grouped_wgrad(cols(dhq), cols(xq), sched, dw1, config=wcfg)
-    db1 = _poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
+    db1 = poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
     tile_sums_to_experts(dbias, sched, db1)
     gemm.USE_TMA_DEFAULT = True
 
@@ -433,7 +420,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
     dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if case_id.endswith("-sepdglu") else "fused"
     try:
-        return compare_with_reference(p, recipe, act, dy, frozen, _poison_alloc if poison else torch.empty, h_fp32,
+        return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE = default, dglu
