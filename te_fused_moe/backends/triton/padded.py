@@ -23,8 +23,7 @@ zero-padded operands and returns the unpadded part of each result:
   along all of w1's rows, as TE's dgrad and wgrad see it (a 1x128 block holds gate and up gradients
   both where F % 128 != 0). FP8 block forms and quantizes it in one pass over 128-column blocks of
   dh (``dglu_off_tile``: :mod:`.fp8_block.dglu_rows`, unless its ``DACT_EPILOGUE`` is "fused");
-  otherwise the dGLU pass writes it in FP32
-  for the recipe's quantize pass.
+  otherwise the dGLU pass writes it in FP32 for the recipe's quantize pass.
 - The values quantized are those the tile-aligned path quantizes: ``a`` as its FC1
   forms it (FP8 block: ``act(h)`` of the saved h; MXFP8: of the FP32 accumulator), ``dh`` from ``da``
   in ``EPILOGUE_INPUT_DTYPE`` or h's dtype, as its separate dGLU epilogues read it.

@@ -39,8 +39,7 @@ summation order changes.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -425,7 +424,7 @@ def fc1_covering(cfg: MXGemmConfig, n: int, bf16_operands: bool) -> MXGemmConfig
     need 295 KB of shared memory)."""
     if padded_size(n, cfg.block_n) == padded_size(n, TILE):
         return cfg
-    return dataclasses.replace(cfg, block_n=TILE, num_stages=2 if bf16_operands else cfg.num_stages)
+    return replace(cfg, block_n=TILE, num_stages=2 if bf16_operands else cfg.num_stages)
 
 
 def _separate_dact(cfg: "MXGemmConfig", a: torch.Tensor) -> bool:
