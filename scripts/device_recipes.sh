@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [dglu_bench] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -12,6 +12,8 @@
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
+# dglu_bench: FP8 block's one-pass dGLU alone at GPT-OSS (scripts/bench_dglu_rows.py: the walk's variants,
+# the per-block kernel, the passes).
 # nvfp4_bench: NVFP4 fused vs BF16 unfused at DSv3 with its kernels (the quantize passes with and without
 # stochastic rounding among them).
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
@@ -61,6 +63,7 @@ for s in $STEPS; do
                       --impls fp8_block_fused,mxfp8_fused,bf16_fused --shape gpt-oss --out "$OUT/profile_gpt_oss";;
     nvfp4_bench) step recipes_nvfp4 "${NVFP4_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes nvfp4 \
                    --shapes dsv3-e32 --implementations nvfp4_fused --out "$OUT/recipes_nvfp4";;
+    dglu_bench) step bench_dglu_rows "${DGLU_BENCH_TIMEOUT:-240}" python scripts/bench_dglu_rows.py --out "$OUT/dglu_rows";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
                    --shapes dsv3-e32 --out "$OUT/recipes_mxfp8";;
   esac

@@ -116,3 +116,15 @@ def test_sizes_off_the_tile_run_zero_padded_on_gpu():
     d = checks.check_dispatch("cuda")
     print("FP8_DISPATCH", json.dumps(d))
     assert_dispatch(d, "Float8BlockScaling", checks.LOOSE)
+
+
+def test_dglu_off_the_tile_equals_the_passes_on_gpu():
+    """padded.py's one-pass dGLU (the walk over units, and the per-block kernel) writes the bytes and
+    scales of the GLU pass + quantize pass on CUDA as under the interpreter (tests/test_padded.py)."""
+    import test_padded
+
+    for case, r in test_padded.check_dglu_off_tile("cuda").items():
+        print("FP8_DGLU_OFF_TILE", case, json.dumps(r))
+        assert all(r[k] == 0 for k in ("data", "scale", "data_t", "scale_t", "unwritten", "nonzero_past_units",
+                                       "nan")), (case, r)
+        assert r["dprob"] <= 1e-6 and r["db1"] <= 1e-6, (case, r)
