@@ -1,8 +1,9 @@
 """FP8 block's one-pass dGLU at an FFN size off the 128 tile (``fp8_block/dglu_rows.py``), alone, at
-GPT-OSS's shape (F = 2880: F % 128 = 64), same process: the walk over units (chunks per program,
-warps) against the per-block kernel (each gated unit differentiated twice) and the GLU pass + FP8
-block quantize pass that both replace. Before timing, every variant's codes, scales (both copies)
-and column sums must equal the passes' bit for bit, and its dprob agree to FP32 summation order.
+GPT-OSS's shape (F = 2880: F % 128 = 64), same process: its grid with the block index fastest (the
+default) and with the M tile fastest, against the GLU pass + FP8 block quantize pass it replaces.
+Before timing, every variant's codes and scales (both copies) must equal the passes' bit for bit, and
+its column sums and dprob agree to FP32 summation order. (Run 27c timed here a walk over units, since
+removed: commit b86fe1e.)
 
   usage: python scripts/bench_dglu_rows.py [--shape gpt-oss] [--routing balanced|zipf] [--out DIR]
 """
@@ -27,16 +28,14 @@ from te_fused_moe.backends.triton.glu_rows import glu_backward  # noqa: E402
 from te_fused_moe.backends.triton.padded import padded_size  # noqa: E402
 from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles  # noqa: E402
 
-# (name, module flags, chunks per program); None: the passes
-VARIANTS = [("passes", None, None), ("per_block", dict(WALK_UNITS=False), None)] + [
-    (f"walk_c{chunks}_w{warps}", dict(WALK_UNITS=True, WALK_WARPS=warps), chunks)
-    for warps in (16, 8) for chunks in (4, 8, 12, 23)]
-SMOKE = VARIANTS[:3]  # the CPU run: the passes, per block, a walk
+# (name, module flags); None: the passes
+VARIANTS = [("passes", None), ("blocks_fastest", dict(BLOCKS_FASTEST=True)),
+            ("m_tiles_fastest", dict(BLOCKS_FASTEST=False))]
 
 
 def run(variant, inputs, alloc=torch.empty):
     """``(dhq, dprob, column sums)`` of one variant (``alloc``: zeros to compare slots no kernel writes)."""
-    name, flags, chunks = variant
+    name, flags = variant
     da, h, ffn, schedule, experts, probs, act, spec = inputs
     sums = alloc((max_m_tiles(h.shape[0], experts, 128), h.shape[1]), device=h.device, dtype=torch.float32)
     if flags is None:
@@ -47,7 +46,7 @@ def run(variant, inputs, alloc=torch.empty):
         for k, v in flags.items():
             setattr(dglu_rows, k, v)
         dhq, dprob = dglu_rows.dglu_quantized(da, h, ffn, schedule, experts, probs, act, True, spec, rowwise=True,
-                                              colwise=True, col_sums=sums, alloc=alloc, chunks_per_program=chunks)
+                                              colwise=True, col_sums=sums, alloc=alloc)
     finally:
         for k, v in saved.items():
             setattr(dglu_rows, k, v)
@@ -91,7 +90,7 @@ def main() -> None:
 
     ref = run(VARIANTS[0], inputs, torch.zeros)
     results = {}
-    for variant in VARIANTS if dev == "cuda" else SMOKE:
+    for variant in VARIANTS:
         name = variant[0]
         try:
             diff = differences(run(variant, inputs, torch.zeros), ref, n1, tiles)
@@ -103,12 +102,12 @@ def main() -> None:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         r = results[name]
         print(f"{name:18s} " + (f"{r['ms']:.3f} ms  " if r.get("ms") else "") + json.dumps(r), flush=True)
-    base = {k: results[k].get("ms") for k in ("passes", "per_block")}
+    base = {k: results[k].get("ms") for k in ("passes", "m_tiles_fastest")}
     for name, r in results.items():
         for k, ms in base.items():
             if r.get("ms") and ms:
                 r[f"x_vs_{k}"] = ms / r["ms"]
-    print("\n".join(f"{n:18s} x{r.get('x_vs_per_block', 0):.2f} vs per_block, x{r.get('x_vs_passes', 0):.2f} vs passes"
+    print("\n".join(f"{n:18s} x{r.get('x_vs_m_tiles_fastest', 0):.2f} vs m_tiles_fastest, x{r.get('x_vs_passes', 0):.2f} vs passes"
                     for n, r in results.items() if r.get("ms")))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"dglu_rows_{args.shape}_{args.routing}.json")

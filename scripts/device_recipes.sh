@@ -12,8 +12,8 @@
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
-# dglu_bench: FP8 block's one-pass dGLU alone at GPT-OSS (scripts/bench_dglu_rows.py: the walk's variants,
-# the per-block kernel, the passes).
+# dglu_bench: FP8 block's one-pass dGLU alone at GPT-OSS (scripts/bench_dglu_rows.py: both launch orders,
+# the passes it replaces).
 # nvfp4_bench: NVFP4 fused vs BF16 unfused at DSv3 with its kernels (the quantize passes with and without
 # stochastic rounding among them).
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).

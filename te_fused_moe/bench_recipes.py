@@ -270,7 +270,7 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
 # before run 20) or in one consumer partition, or with the separate FC1 / dGLU epilogues reading the
 # FP32 accumulator instead of h and da in BF16 (both the defaults before run 22), or (F off the tile)
-# with one dGLU program per block of dh instead of the walk over units (the default before session 23)
+# with the one-pass dGLU's programs launched M tile first (the default before session 23)
 FP32_EPILOGUE_INPUT = dict(EPILOGUE_INPUT_DTYPE=torch.float32)
 VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("fp8_block", gemm=FP32_EPILOGUE_INPUT),
                           "fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
@@ -283,9 +283,9 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                                                                              gemm=dict(PLAIN_CONSUMERS=1)),
                           "fp8_block_fused_wgrad_one_partition": _fused_under("fp8_block",
                                                                               wgrad=dict(WGRAD_CONSUMERS=1)),
-                          # at an FFN size off the tile: the dGLU's programs one per block of dh
-                          "fp8_block_fused_dglu_per_block": _fused_under("fp8_block",
-                                                                         dglu_rows=dict(WALK_UNITS=False))},
+                          # at an FFN size off the tile: the one-pass dGLU's grid with the M tile fastest
+                          "fp8_block_fused_dglu_m_tiles_fastest": _fused_under(
+                              "fp8_block", dglu_rows=dict(BLOCKS_FASTEST=False))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "mxfp8_fused_fp32_dglu_input": _fused_under("mxfp8", gemm=FP32_EPILOGUE_INPUT),
                       # at an FFN size off the tile (gpt-oss): FC1 as GEMM + GLU pass + quantize pass

@@ -22,7 +22,7 @@ def have_tools() -> bool:
     return all(os.path.exists(os.path.join(tools_dir(), b)) for b in TOOLS)
 
 
-def _signature(fn, types: dict, consts: dict, sizes=("N", "K")):
+def _signature(fn, types: dict, consts: dict):
     """The compile signature (arguments not in ``types`` are i32) and the divisibility attrs: a real
     launch specialises pointers and 16-divisible strides/sizes on divisibility by 16 (vectorised
     accesses); without these hints the build looks far more register-bound."""
@@ -30,19 +30,18 @@ def _signature(fn, types: dict, consts: dict, sizes=("N", "K")):
     sig.update(types)
     sig.update({c: "constexpr" for c in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in sizes)}
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
     return sig, attrs
 
 
-def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4, sizes=("N", "K")) -> dict:
+def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4) -> dict:
     """Compiles jit function ``fn`` for sm_90a (arguments not in ``types`` are i32, ``consts`` are
-    constexprs; ``sizes``: the i32 arguments a launch would see divisible by 16). Returns
-    :func:`analyze` of the build."""
+    constexprs). Returns :func:`analyze` of the build."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, attrs = _signature(fn, types, consts, sizes)
+    sig, attrs = _signature(fn, types, consts)
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages))
     return analyze(k)

@@ -262,15 +262,13 @@ def check_quantize_width(device: str, seed: int = 2) -> dict:
     return out
 
 
-# (id, activation, T, F, E, padding rows, chunks per walking program, walk): F % 128 = 80 (one chunk: the
-# shared block and the block past it only), 8, 64 (GPT-OSS's; three programs per tile), 80 over four
-# chunks in two programs, 0 (gated, H alone off the tile); the per-block kernel (non-gated, and gated
-# as the walk's A/B)
-DGLU_CASES = [("swiglu-80", "swiglu", 260, 80, 3, 5, 8, True), ("gpt_oss-136", "gpt_oss_swiglu", 200, 136, 4, 9, 8, True),
-              ("swiglu-320-by-1", "swiglu", 260, 320, 3, 5, 1, True),
-              ("gpt_oss-464-by-2", "gpt_oss_swiglu", 200, 464, 4, 9, 2, True),
-              ("swiglu-256-by-1", "swiglu", 150, 256, 2, 7, 1, True),
-              ("srelu-72", "srelu", 150, 72, 2, 7, 8, False), ("gpt_oss-136-per-block", "gpt_oss_swiglu", 200, 136, 4, 9, 8, False)]
+# (id, activation, T, F, E, padding rows, grid with the block index fastest): F % 128 = 80, 8, 64
+# (GPT-OSS's), 80 over four blocks of units, 0 (gated: H alone off the tile), a non-gated activation;
+# one case with the M tile fastest
+DGLU_CASES = [("swiglu-80", "swiglu", 260, 80, 3, 5, True), ("gpt_oss-136", "gpt_oss_swiglu", 200, 136, 4, 9, True),
+              ("swiglu-320", "swiglu", 260, 320, 3, 5, True), ("gpt_oss-464", "gpt_oss_swiglu", 200, 464, 4, 9, True),
+              ("swiglu-256", "swiglu", 150, 256, 2, 7, True), ("srelu-72", "srelu", 150, 72, 2, 7, True),
+              ("gpt_oss-464-m-fastest", "gpt_oss_swiglu", 200, 464, 4, 9, False)]
 
 
 def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
@@ -293,7 +291,7 @@ def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
     rel = lambda got, ref: float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for case, name, T, F, E, padding, chunks, walk in DGLU_CASES:
+    for case, name, T, F, E, padding, blocks_fastest in DGLU_CASES:
         act = ActivationConfig(name).launch_args
         spec = FP8Spec.of("e5m2" if name == "gpt_oss_swiglu" else "e4m3", name != "srelu")
         n1 = 2 * F if act["gated"] else F
@@ -304,9 +302,9 @@ def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
         da = torch.randn(T, F_p, generator=g).to(device=device, dtype=torch.bfloat16)
         probs = (torch.rand(T, generator=g) + 0.1).to(device)
         sums = [poison_alloc((max_m_tiles(T, E, 128), n1_p), device=device, dtype=torch.float32) for _ in range(2)]
-        with mock.patch.object(D, "WALK_UNITS", walk):
+        with mock.patch.object(D, "BLOCKS_FASTEST", blocks_fastest):
             fused, dprob = dglu_quantized(da, h, F, schedule, E, probs, act, True, spec, rowwise=True, colwise=True,
-                                          col_sums=sums[0], alloc=poison_alloc, chunks_per_program=chunks)
+                                          col_sums=sums[0], alloc=poison_alloc)
         dh, dprob_ref = glu_backward(da, h, F, schedule, E, probs, act, True, poison_alloc)
         passes = quantize_rows(dh, schedule, E, spec, colwise=True, alloc=poison_alloc, col_sums=sums[1])
         r = {part: int((bits(getattr(fused, part)) != bits(getattr(passes, part))).sum())
@@ -348,18 +346,8 @@ def sm90_build_report() -> dict:
                                                                   colsum_ptr="*fp32", sched_ptr="*i32",
                                                                   value_for_inf="fp32", **floats),
                                      dict(common, WRITE_DPROB=True, COLSUM=True, ROWWISE=True, COLWISE=True,
-                                          **FP8Spec.of("e4m3", True).constexprs()),
+                                          BLOCKS_FASTEST=True, **FP8Spec.of("e4m3", True).constexprs()),
                                      num_warps=D.NUM_WARPS),
-        # the walk over units (GPT-OSS's F: up_split a multiple of 16)
-        "fp8_block_dglu_walk": build_sm90(D.dglu_walk_kernel, dict(da_ptr="*bf16", h_ptr="*bf16", probs_ptr="*fp32",
-                                                                   q_ptr="*u8", qs_ptr="*fp32", qt_ptr="*u8",
-                                                                   qts_ptr="*fp32", dprob_ptr="*fp32",
-                                                                   colsum_ptr="*fp32", sched_ptr="*i32",
-                                                                   value_for_inf="fp32", **floats),
-                                          dict({k: v for k, v in common.items() if k != "GATED"}, WRITE_DPROB=True,
-                                               COLSUM=True, ROWWISE=True, COLWISE=True, CHUNKS=D.CHUNKS_PER_PROGRAM,
-                                               **FP8Spec.of("e4m3", True).constexprs()),
-                                          num_warps=D.WALK_WARPS, sizes=("F", "up_split", "NUM_BLOCKS")),
     }
 
 
@@ -370,9 +358,8 @@ def test_glu_passes_build_for_sm90a():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     for name, r in report_in_subprocess("test_padded").items():
         # no spills in the GLU passes; the one-pass dGLU holds a 128 x 128 block's da, gate, up and both
-        # gradients as the tile-aligned dGLU epilogue does, and may spill as little as it is allowed to;
-        # the walk holds the previous chunk's up gradients besides (544 bytes a thread at 16 warps)
-        allowed = {"fp8_block_dglu": 128, "fp8_block_dglu_walk": 640}.get(name, 0)
+        # gradients as the tile-aligned dGLU epilogue does, and may spill as little as it is allowed to
+        allowed = 128 if name == "fp8_block_dglu" else 0
         assert r["stack"] <= allowed and r["instructions"] > 0, (name, r)
 
 

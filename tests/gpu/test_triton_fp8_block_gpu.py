@@ -119,8 +119,8 @@ def test_sizes_off_the_tile_run_zero_padded_on_gpu():
 
 
 def test_dglu_off_the_tile_equals_the_passes_on_gpu():
-    """padded.py's one-pass dGLU (the walk over units, and the per-block kernel) writes the bytes and
-    scales of the GLU pass + quantize pass on CUDA as under the interpreter (tests/test_padded.py)."""
+    """padded.py's one-pass dGLU (both launch orders) writes the bytes and scales of the GLU pass +
+    quantize pass on CUDA as under the interpreter (tests/test_padded.py)."""
     import test_padded
 
     for case, r in test_padded.check_dglu_off_tile("cuda").items():

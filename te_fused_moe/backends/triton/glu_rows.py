@@ -36,11 +36,11 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def program_rows(sched_ptr, NUM_GROUPS, BM: tl.constexpr):
-    """This program's M tile (``program_id(0)``): its first row and rows (64-bit), which of them it
-    holds (``in_tile``) and which of those carry routed tokens (``live``: not the padding group's).
-    Also the row passes of :mod:`.fp8_block.dglu_rows`."""
-    group, row0, row_end = tile_rows(sched_ptr, tl.program_id(0), BM, NUM_GROUPS)
+def program_rows(sched_ptr, tile, NUM_GROUPS, BM: tl.constexpr):
+    """M tile ``tile`` of the schedule: its first row and rows (64-bit), which of them it holds
+    (``in_tile``) and which of those carry routed tokens (``live``: not the padding group's). Also
+    the row pass of :mod:`.fp8_block.dglu_rows`."""
+    group, row0, row_end = tile_rows(sched_ptr, tile, BM, NUM_GROUPS)
     rows = row0 + tl.arange(0, BM)
     in_tile = rows < row_end
     return row0.to(tl.int64), rows.to(tl.int64), in_tile, in_tile & (group < NUM_GROUPS - 1)
@@ -61,7 +61,7 @@ def glu_forward_kernel(h_ptr, stride_hm, probs_ptr, a_ptr, stride_am, sched_ptr,
     """One program per (schedule M tile, ``BN`` columns of ``a``)."""
     if tl.program_id(0) >= total_tiles(sched_ptr, NUM_GROUPS):
         return
-    _, rows, in_tile, live = program_rows(sched_ptr, NUM_GROUPS, BM)
+    _, rows, in_tile, live = program_rows(sched_ptr, tl.program_id(0), NUM_GROUPS, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     valid = live[:, None] & (cols < F)[None, :]
     h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
@@ -82,7 +82,7 @@ def glu_backward_kernel(da_ptr, stride_dam, h_ptr, stride_hm, probs_ptr, dh_ptr,
     ``[N1, WIDTH)`` (N1 = 2F gated, else F)."""
     if tl.program_id(0) >= total_tiles(sched_ptr, NUM_GROUPS):
         return
-    _, rows, in_tile, live = program_rows(sched_ptr, NUM_GROUPS, BM)
+    _, rows, in_tile, live = program_rows(sched_ptr, tl.program_id(0), NUM_GROUPS, BM)
     unit_blocks = tl.cdiv(F, BN)
     if tl.program_id(1) >= unit_blocks:
         cols = N1 + (tl.program_id(1) - unit_blocks) * BN + tl.arange(0, BN)
