@@ -10,6 +10,7 @@ The whole MLP at such sizes is checked against the reference backend in the reci
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from unittest import mock
@@ -262,13 +263,14 @@ def check_quantize_width(device: str, seed: int = 2) -> dict:
     return out
 
 
-# (id, activation, T, F, E, padding rows, grid with the block index fastest): F % 128 = 80, 8, 64
-# (GPT-OSS's), 80 over four blocks of units, 0 (gated: H alone off the tile), a non-gated activation;
-# one case with the M tile fastest
-DGLU_CASES = [("swiglu-80", "swiglu", 260, 80, 3, 5, True), ("gpt_oss-136", "gpt_oss_swiglu", 200, 136, 4, 9, True),
-              ("swiglu-320", "swiglu", 260, 320, 3, 5, True), ("gpt_oss-464", "gpt_oss_swiglu", 200, 464, 4, 9, True),
-              ("swiglu-256", "swiglu", 150, 256, 2, 7, True), ("srelu-72", "srelu", 150, 72, 2, 7, True),
-              ("gpt_oss-464-m-fastest", "gpt_oss_swiglu", 200, 464, 4, 9, False)]
+# (id, activation, T, F, E, padding rows, dglu_rows flags): F % 128 = 80, 8, 64 (GPT-OSS's), 80 over
+# four blocks of units, 0 (gated: H alone off the tile), a non-gated activation; the grid with the M
+# tile fastest, chosen or forced by more M tiles than the grid's second dimension may hold
+DGLU_CASES = [("swiglu-80", "swiglu", 260, 80, 3, 5, {}), ("gpt_oss-136", "gpt_oss_swiglu", 200, 136, 4, 9, {}),
+              ("swiglu-320", "swiglu", 260, 320, 3, 5, {}), ("gpt_oss-464", "gpt_oss_swiglu", 200, 464, 4, 9, {}),
+              ("swiglu-256", "swiglu", 150, 256, 2, 7, {}), ("srelu-72", "srelu", 150, 72, 2, 7, {}),
+              ("gpt_oss-464-m-fastest", "gpt_oss_swiglu", 200, 464, 4, 9, {"BLOCKS_FASTEST": False}),
+              ("swiglu-320-grid-y-full", "swiglu", 260, 320, 3, 5, {"MAX_GRID_Y": 2})]
 
 
 def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
@@ -291,7 +293,7 @@ def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
     rel = lambda got, ref: float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
     g = torch.Generator().manual_seed(seed)
     out = {}
-    for case, name, T, F, E, padding, blocks_fastest in DGLU_CASES:
+    for case, name, T, F, E, padding, flags in DGLU_CASES:
         act = ActivationConfig(name).launch_args
         spec = FP8Spec.of("e5m2" if name == "gpt_oss_swiglu" else "e4m3", name != "srelu")
         n1 = 2 * F if act["gated"] else F
@@ -302,7 +304,7 @@ def check_dglu_off_tile(device: str, seed: int = 1) -> dict:
         da = torch.randn(T, F_p, generator=g).to(device=device, dtype=torch.bfloat16)
         probs = (torch.rand(T, generator=g) + 0.1).to(device)
         sums = [poison_alloc((max_m_tiles(T, E, 128), n1_p), device=device, dtype=torch.float32) for _ in range(2)]
-        with mock.patch.object(D, "BLOCKS_FASTEST", blocks_fastest):
+        with mock.patch.multiple(D, **flags) if flags else contextlib.nullcontext():
             fused, dprob = dglu_quantized(da, h, F, schedule, E, probs, act, True, spec, rowwise=True, colwise=True,
                                           col_sums=sums[0], alloc=poison_alloc)
         dh, dprob_ref = glu_backward(da, h, F, schedule, E, probs, act, True, poison_alloc)

@@ -44,6 +44,7 @@ NUM_WARPS = 16
 # (M tile fastest, all M tiles of 22 blocks run in between). 1.064 -> 1.030 ms at GPT-OSS on an H100
 # (run 27d): DRAM is not what bounds this kernel
 BLOCKS_FASTEST = True
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
 @triton.jit
@@ -112,7 +113,8 @@ def dglu_quantized(da: torch.Tensor, h: torch.Tensor, ffn: int, schedule: torch.
         q_data = dhq.data if rowwise else dhq.data_t if colwise else h
         qt_data = dhq.data_t if colwise else q_data
         m_tiles = max_m_tiles(num_rows, num_experts, BLOCK)
-        dglu_quantize_kernel[(blocks, m_tiles) if BLOCKS_FASTEST else (m_tiles, blocks)](
+        blocks_fastest = BLOCKS_FASTEST and m_tiles <= MAX_GRID_Y  # the M tiles in grid y
+        dglu_quantize_kernel[(blocks, m_tiles) if blocks_fastest else (m_tiles, blocks)](
             da, da.stride(0), h, h.stride(0), probs if probs is not None else h,
             q_data.view(torch.uint8), q_data.stride(0) if rowwise else 0,
             dhq.scale if rowwise else h, dhq.scale.stride(0) if rowwise else 0, dhq.scale.stride(1) if rowwise else 0,
@@ -123,7 +125,7 @@ def dglu_quantized(da: torch.Tensor, h: torch.Tensor, ffn: int, schedule: torch.
             schedule, ffn, n1, float(act["alpha"]), float(act["limit"]), FLOAT32_MAX, num_experts + 1,
             ACT=ACT_IDS[act["activation"]], GATED=bool(act["gated"]), HAS_PROBS=probs is not None,
             WRITE_DPROB=want_dprob, COLSUM=col_sums is not None, ROWWISE=rowwise, COLWISE=colwise,
-            **spec.constexprs(), BM=BLOCK, BLOCKS_FASTEST=BLOCKS_FASTEST,
+            **spec.constexprs(), BM=BLOCK, BLOCKS_FASTEST=blocks_fastest,
             num_warps=4 if interpreting() else NUM_WARPS,
         )
     return dhq, (parts.sum(0) if want_dprob else None)
