@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -26,7 +27,7 @@ from te_fused_moe.backends.triton.fp8_block import dglu_rows  # noqa: E402
 from te_fused_moe.backends.triton.fp8_block.quantize import FP8Spec, quantize_rows  # noqa: E402
 from te_fused_moe.backends.triton.glu_rows import glu_backward  # noqa: E402
 from te_fused_moe.backends.triton.padded import padded_size  # noqa: E402
-from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles  # noqa: E402
+from te_fused_moe.backends.triton.schedule import TILE_END, build_schedule, max_m_tiles, schedule_table  # noqa: E402
 
 # (name, module flags); None: the passes
 VARIANTS = [("passes", None), ("blocks_fastest", dict(BLOCKS_FASTEST=True)),
@@ -41,15 +42,9 @@ def run(variant, inputs, alloc=torch.empty):
     if flags is None:
         dh, dprob = glu_backward(da, h, ffn, schedule, experts, probs, act, True, alloc)
         return quantize_rows(dh, schedule, experts, spec, colwise=True, col_sums=sums, alloc=alloc), dprob, sums
-    saved = {k: getattr(dglu_rows, k) for k in flags}
-    try:
-        for k, v in flags.items():
-            setattr(dglu_rows, k, v)
+    with mock.patch.multiple(dglu_rows, **flags):
         dhq, dprob = dglu_rows.dglu_quantized(da, h, ffn, schedule, experts, probs, act, True, spec, rowwise=True,
                                               colwise=True, col_sums=sums, alloc=alloc)
-    finally:
-        for k, v in saved.items():
-            setattr(dglu_rows, k, v)
     return dhq, dprob, sums
 
 
@@ -86,7 +81,7 @@ def main() -> None:
     da = torch.randn(T, padded_size(ffn, 128), device=dev, generator=g).to(torch.bfloat16)
     probs = torch.rand(T, device=dev, generator=g) + 0.1
     inputs = (da, h, ffn, schedule, E, probs, act, FP8Spec.of("e4m3", True))
-    tiles = int(schedule[2 * (E + 1) - 1])
+    tiles = int(schedule_table(schedule, E)[TILE_END, -1])  # the tiles in use: the padding group's end
 
     ref = run(VARIANTS[0], inputs, torch.zeros)
     results = {}
