@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [dglu_bench] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [dglu_bench] [prefetch_bench] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -16,6 +16,8 @@
 # the passes it replaces).
 # nvfp4_bench: NVFP4 fused vs BF16 unfused at DSv3 with its kernels (the quantize passes with and without
 # stochastic rounding among them).
+# prefetch_bench: the FP8 block kernels at DSv3 with and without wgmma_ws.TILE_PREFETCH (each kernel alone),
+# then the MLP with and without it against BF16 unfused in interleaved rounds.
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -64,6 +66,11 @@ for s in $STEPS; do
     nvfp4_bench) step recipes_nvfp4 "${NVFP4_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes nvfp4 \
                    --shapes dsv3-e32 --implementations nvfp4_fused --out "$OUT/recipes_nvfp4";;
     dglu_bench) step bench_dglu_rows "${DGLU_BENCH_TIMEOUT:-240}" python scripts/bench_dglu_rows.py --out "$OUT/dglu_rows";;
+    prefetch_bench) step variants_prefetch "${PREFETCH_BENCH_TIMEOUT:-200}" python scripts/bench_recipes.py \
+                      --variants fp8_block --only gluon_no_tile_prefetch --shapes dsv3-e32 --out "$OUT/variants_prefetch"
+                    step recipes_prefetch "${PREFETCH_BENCH_TIMEOUT:-200}" python scripts/bench_recipes.py \
+                      --recipes fp8_block --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
+                      --implementations fp8_block_fused,fp8_block_fused_no_tile_prefetch --out "$OUT/recipes_prefetch";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
                    --shapes dsv3-e32 --out "$OUT/recipes_mxfp8";;
   esac

@@ -270,7 +270,8 @@ def _fused_under(recipe: str, **module_flags: Dict):
 # partition (run 19's first default), or with the plain Gluon GEMM storing from registers (the default
 # before run 20) or in one consumer partition, or with the separate FC1 / dGLU epilogues reading the
 # FP32 accumulator instead of h and da in BF16 (both the defaults before run 22), or (F off the tile)
-# with the one-pass dGLU's programs launched M tile first (the default before session 23)
+# with the one-pass dGLU's programs launched M tile first (the default before session 23), or with the
+# Gluon kernels reading each tile's schedule entries when it starts (the default before session 24)
 FP32_EPILOGUE_INPUT = dict(EPILOGUE_INPUT_DTYPE=torch.float32)
 VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("fp8_block", gemm=FP32_EPILOGUE_INPUT),
                           "fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
@@ -285,7 +286,10 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                                                                               wgrad=dict(WGRAD_CONSUMERS=1)),
                           # at an FFN size off the tile: the one-pass dGLU's grid with the M tile fastest
                           "fp8_block_fused_dglu_m_tiles_fastest": _fused_under(
-                              "fp8_block", dglu_rows=dict(BLOCKS_FASTEST=False))},
+                              "fp8_block", dglu_rows=dict(BLOCKS_FASTEST=False)),
+                          # the Gluon kernels reading each tile's schedule entries at its start
+                          "fp8_block_fused_no_tile_prefetch": _fused_under(
+                              "fp8_block", wgmma_ws=dict(TILE_PREFETCH=False))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "mxfp8_fused_fp32_dglu_input": _fused_under("mxfp8", gemm=FP32_EPILOGUE_INPUT),
                       # at an FFN size off the tile (gpt-oss): FC1 as GEMM + GLU pass + quantize pass
@@ -514,6 +518,9 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             "wgrad_gluon_g4": dict(wgrad_config=gluon_wgrad(group_n=4)),
             "wgrad_gluon_64x128_2cta": dict(wgrad_config=gluon_wgrad(block_n=64, num_warps=4, num_stages=3,
                                                                      ctas_per_sm=2, consumers=1)),
+            # the Gluon kernels (plain GEMMs and wgrads) reading each tile's schedule entries when it
+            # starts instead of under the tile before (wgmma_ws.TILE_PREFETCH)
+            "gluon_no_tile_prefetch": dict(module_flags={"wgmma_ws": dict(TILE_PREFETCH=False)}),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),
@@ -568,7 +575,14 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
         if unknown:
             raise ValueError(f"only: unknown variants {sorted(unknown)}; expected names from {sorted(configs)}")
         configs = {name: kw for name, kw in configs.items() if name == "default" or name in only}
-    return {name: bench_kernels(recipe, shape, inputs, fp8_peak, **kw) for name, kw in configs.items()}
+    def timed(kw):
+        # a config may also set module flags of backends.triton.<recipe>.<module> while it is timed
+        with contextlib.ExitStack() as stack:
+            for module, flags in kw.pop("module_flags", {}).items():
+                stack.enter_context(_module_flags(f".backends.triton.{recipe}.{module}", flags))
+            return bench_kernels(recipe, shape, inputs, fp8_peak, **kw)
+
+    return {name: timed(dict(kw)) for name, kw in configs.items()}
 
 
 def weight_cache_report(inputs, recipes=tuple(RECIPES)) -> Dict[str, Dict]:

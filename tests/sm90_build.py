@@ -68,7 +68,7 @@ def analyze(k) -> dict:
     FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma counts, how many FP8 wgmmas share a commit group with
     the next one (``qgmma_grouped``: 0 when ptxas serialised them) and the waits that leave one group
     in flight (``wait_le1``), its dynamic shared memory bytes and, when it has wgmma, whether its K loop
-    was found and the spill loads/stores inside it."""
+    was found and the spill loads/stores inside it; the scalar int32 loads in its TTGIR."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
@@ -93,7 +93,10 @@ def analyze(k) -> dict:
                                   for m in [re.search(r"SETMAXREG\.\w+(?:\.\w+)*\s+(?:U?P\w+,\s*)?0x([0-9a-f]+)", l)]
                                   if m] or [0]),
            # FP32 FMAs, and those that carry the yield hint (see scheduling_hints)
-           **scheduling_hints(encoded)}
+           **scheduling_hints(encoded),
+           # scalar int32 loads left in the TTGIR (the persistent kernels' schedule reads) inside loops: a
+           # read whose result the compiler dropped is gone from here too
+           "scalar_i32_loads_in_loops": _loads_in_loops(k.asm.get("ttgir", ""))}
     # the K loop: from the label that a backward branch after the last wgmma jumps to, to that branch
     mma = [i for i, line in enumerate(sass) if "QGMMA" in line or "HGMMA" in line]
     if mma:
@@ -107,6 +110,24 @@ def analyze(k) -> dict:
         out["loop_found"] = bool(loop)
         out["loop_spills"] = sum(("STL" in line) or ("LDL" in line) for line in loop)
     return out
+
+
+def _loads_in_loops(ttgir: str) -> int:
+    """Scalar int32 ``tt.load``s inside ``scf.for`` bodies of a TTGIR listing (regions tracked by their
+    opening and closing braces, one op per line)."""
+    stack, count = [], 0
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith("}"):
+            if stack:
+                stack.pop()
+            if not text.rstrip().endswith("{"):
+                continue
+        if re.search(r"tt\.load %\S+ : !tt\.ptr<i32>", text) and "for" in stack:
+            count += 1
+        if text.endswith("{"):
+            stack.append("for" if "scf.for" in text else "other")
+    return count
 
 
 def scheduling_hints(cuobjdump_sass: str) -> dict:

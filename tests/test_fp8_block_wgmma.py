@@ -35,15 +35,16 @@ def sm90_build_report() -> dict:
     from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W, wgmma_ws as WS
     from te_fused_moe.backends.triton.fp8_block.wgrad import default_config
 
-    def build(kernel, types, consts, warps, ctas_per_sm, tile_elements, consumers):
+    def build(kernel, types, consts, warps, ctas_per_sm, tile_elements, consumers, prefetch=WS.TILE_PREFETCH):
         launch = WS._partitions(warps, consumers, ctas_per_sm, tile_elements)
-        return dict(build_gluon_sm90(kernel, types, dict(consts, CONSUMERS=consumers,
+        return dict(build_gluon_sm90(kernel, types, dict(consts, CONSUMERS=consumers, PREFETCH=prefetch,
                                                          CONSUMER_REGISTERS=launch["CONSUMER_REGISTERS"]),
                                      num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]), consumers=consumers)
 
     report = {}
     # FC2 / FC1 dgrad (BF16 out) and the FC1 / dGLU GEMMs whose epilogues run alone (FP32 out: a 64 KB
     # staging tile), stored by TMA (the default) or not
+    plain_types = {}
     for name, a_dtype, has_bias, c_dtype, tma_store in (
             ("fc2_e4m3_bias", torch.float8_e4m3fn, True, torch.bfloat16, True),
             ("dgrad_e5m2", torch.float8_e5m2, False, torch.bfloat16, True),
@@ -61,8 +62,13 @@ def sm90_build_report() -> dict:
                                                   dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES,
                                                        TMA_STORE=tma_store),
                                                   W.NUM_WARPS, 1, W.BM * W.BN, consumers)
+            plain_types[f"{name}_{consumers}"] = dict(types)
+    # the tiles' schedule reads as they were before TILE_PREFETCH (kept for the benchmark's comparison)
+    report["fc2_e4m3_bias_2_no_prefetch"] = build(WS.fp8_block_gemm_ws_kernel, plain_types["fc2_e4m3_bias_2"],
+                                                  dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES, TMA_STORE=True),
+                                                  W.NUM_WARPS, 1, W.BM * W.BN, 2, prefetch=False)
 
-    def wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers):
+    def wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers, prefetch=WS.TILE_PREFETCH):
         g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
         types = dict(g_desc=mangle_type(W.descriptor(g_t, block_n)), x_desc=mangle_type(W.descriptor(x_t, block_k)),
                      xs_desc=mangle_type(W.scale_descriptor(torch.empty(8, 7168), block_k)), gs_ptr="*fp32",
@@ -71,7 +77,7 @@ def sm90_build_report() -> dict:
                                              block_k)
         types["dw_desc"] = mangle_type(dw_desc) if tma_store else types["g_desc"]
         return build(WS.fp8_block_wgrad_ws_kernel, types, dict(GROUP_N=8, NUM_STAGES=stages, TMA_STORE=tma_store),
-                     warps, ctas_per_sm, block_n * block_k, consumers)
+                     warps, ctas_per_sm, block_n * block_k, consumers, prefetch)
 
     c = default_config(gluon=True)
     report["wgrad_default"] = wgrad(c.block_n, c.block_k, c.num_warps, c.num_stages, c.ctas_per_sm, c.tma_store,
@@ -81,6 +87,8 @@ def sm90_build_report() -> dict:
             report[f"wgrad_{consumers}{'_tma' if tma_store else ''}"] = wgrad(128, 128, 8, stages, 1, tma_store,
                                                                               consumers)
     report["wgrad_64x128"] = wgrad(64, 128, 4, 3, 2, True, 1)
+    report["wgrad_default_no_prefetch"] = wgrad(c.block_n, c.block_k, c.num_warps, c.num_stages, c.ctas_per_sm,
+                                                c.tma_store, c.consumers, prefetch=False)
     return report
 
 
@@ -93,8 +101,8 @@ def _most_registers_asked(name: str, consumers: int) -> int:
 
 def _check_build_report(report: dict) -> None:
     plain = {f"{n}_{c}" for n in ("fc2_e4m3_bias", "dgrad_e5m2", "acc_fp32", "fc2_no_tma") for c in (1, 2)}
-    assert set(report) == plain | {"wgrad_default", "wgrad_1", "wgrad_1_tma", "wgrad_2", "wgrad_2_tma",
-                                   "wgrad_64x128"}
+    assert set(report) == plain | {"fc2_e4m3_bias_2_no_prefetch", "wgrad_default", "wgrad_1", "wgrad_1_tma", "wgrad_2",
+                                   "wgrad_2_tma", "wgrad_64x128", "wgrad_default_no_prefetch"}
     assert report["wgrad_default"]["consumers"] == 2
     for name, r in report.items():
         # no spills, also at 232-256 registers: the wgrad's column scales are read from shared memory at
@@ -106,6 +114,20 @@ def _check_build_report(report: dict) -> None:
         assert r["wait_le1"] >= 3 * copies, (name, r)  # the loop's two waits and the tail's first
         assert r["shared"] <= 227 * 1024, (name, r)
         assert r["setmaxnreg_max"] == _most_registers_asked(name, copies), (name, r)
+    # wgmma_ws.TILE_PREFETCH: the schedule reads of the tile ahead, made in each tile loop and carried to
+    # the next trip, are still in the loops of the TTGIR. Triton 3.6 dropped such carried reads from the
+    # wgrad's producer loop (the frontend IR had them), whose token-block range then stayed its first
+    # tile's: wrong dw from each program's second tile on (run 28); that producer reads each tile's
+    # entries at its start since. In the loops: wgrad, the producer's 2 and 2 per consumer (with or
+    # without the prefetch); plain GEMM, 4 per consumer (the next tile's rows, the tile after's group)
+    # and the producer's 3 (what the compiler merges), 5 per partition less one without it
+    for name, r in report.items():
+        prefetch, consumers = not name.endswith("_no_prefetch"), r["consumers"]
+        if name.startswith("wgrad"):
+            want = 2 + 2 * consumers
+        else:
+            want = 3 + 4 * consumers if prefetch else 4 + 5 * consumers
+        assert r["scalar_i32_loads_in_loops"] == want, (name, r["scalar_i32_loads_in_loops"], want)
     # two CTAs of the 64x128 wgrad share an SM's 227 KB
     assert 2 * report["wgrad_64x128"]["shared"] <= 227 * 1024, report["wgrad_64x128"]
     # the wgrad's producer fences the async proxy before each TMA refill of a stage whose column scales

@@ -282,3 +282,31 @@ def test_persistent_wgrad_exact_on_integer_data(monkeypatch, programs, tiles, en
     bad = int((dw != ref.to(torch.bfloat16)).sum())
     print("PERSISTENT_WGRAD", engine, programs, tiles, bad)
     assert bad == 0, (programs, tiles, bad)
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_tile_prefetch_changes_no_bit(monkeypatch, programs):
+    """``wgmma_ws.TILE_PREFETCH`` (each partition reads the schedule of the tiles ahead under this tile's
+    K loop; the plain GEMM two tiles deep) moves reads, not results: on random data with runs of empty
+    and one-block experts, over a forced grid of few programs (many tiles each, the prefetch running
+    past the last tile), both kernels give the same bits with and without it, and the wgrad stays within
+    the FP64 bound."""
+    from te_fused_moe.backends.triton.fp8_block import wgmma_ws
+
+    counts = torch.tensor(_PERSISTENT_COUNTS)
+    T = int(counts.sum()) + 7
+    aq, wq, counts, sched, bias = _problem(T, 128 * 3, 384, counts.numel(), "e4m3", False, seed=50 + programs,
+                                           counts=counts)
+    gq, xq, _, wgrad_sched = _wgrad_problem(T, 256, 384, counts.numel(), False, seed=60 + programs, counts=counts)
+    ref, mag = _wgrad_reference(gq, xq, counts, wgrad_sched, 256, 384)
+    _forced_grid(monkeypatch, programs)
+    outs = {}
+    for prefetch in (True, False):
+        monkeypatch.setattr(wgmma_ws, "TILE_PREFETCH", prefetch)
+        outs[prefetch] = (_run("gluon", aq, wq, counts, sched, bias, 384),
+                          _run_wgrad("gluon", gq, xq, wgrad_sched, (counts.numel(), 256, 384)))
+    (plain_on, dw_on), (plain_off, dw_off) = outs[True], outs[False]
+    assert not plain_on.isnan().any() and not dw_on.isnan().any()
+    assert torch.equal(plain_on, plain_off) and torch.equal(dw_on, dw_off)
+    err = (dw_on.double() - ref).abs() - (2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag)
+    assert float(err.max()) <= 0, float(err.max())

@@ -64,13 +64,41 @@ KIND_WGRAD = gl.constexpr(1)  # an expert's N tile x K tile of dw (K loop over i
 def _tile_of(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
     """Plain tile ``tile``'s (M tile, N tile, group, first row, group end row, tile count): the same
     GROUP_M swizzle and schedule reads as :mod:`..schedule` (whose helpers are Triton, not Gluon)."""
+    pid_m, pid_n, group = _tile_group(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M)
+    tile_start, row_start, row_end = _group_rows(group, sched_ptr, NUM_GROUPS)
+    return pid_m, pid_n, group, row_start + (pid_m - tile_start) * BLOCK_M, row_end, _tile_count(sched_ptr, NUM_GROUPS)
+
+
+@gluon.jit
+def _tile_count(sched_ptr, NUM_GROUPS):
+    """The M tiles in use: the padding group's tile_end."""
+    return gl.load(sched_ptr + 2 * NUM_GROUPS - 1)
+
+
+@gluon.jit
+def _tile_group(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M: gl.constexpr):
+    """Plain tile ``tile``'s (M tile, N tile, group): the swizzle and one read of the tile -> group map."""
     pid_m, pid_n = _swizzle(tile, MAX_M_TILES, num_pid_n, GROUP_M)
-    num_tiles = gl.load(sched_ptr + 2 * NUM_GROUPS - 1)  # tile_end of the padding group
-    group = gl.load(sched_ptr + 4 * NUM_GROUPS + gl.minimum(pid_m, MAX_M_TILES - 1))
-    tile_start = gl.load(sched_ptr + group)
-    row0 = gl.load(sched_ptr + 2 * NUM_GROUPS + group) + (pid_m - tile_start) * BLOCK_M
-    row_end = gl.load(sched_ptr + 3 * NUM_GROUPS + group)
-    return pid_m, pid_n, group, row0, row_end, num_tiles
+    return pid_m, pid_n, gl.load(sched_ptr + 4 * NUM_GROUPS + gl.minimum(pid_m, MAX_M_TILES - 1))
+
+
+@gluon.jit
+def _group_rows(group, sched_ptr, NUM_GROUPS):
+    """Group ``group``'s (first M tile, first row, end row), as read from the schedule (raw: the arithmetic
+    on them is left to the caller, so that a prefetch does not wait for them, see :func:`_plain_ahead`)."""
+    return (gl.load(sched_ptr + group), gl.load(sched_ptr + 2 * NUM_GROUPS + group),
+            gl.load(sched_ptr + 3 * NUM_GROUPS + group))
+
+
+@gluon.jit
+def _plain_ahead(tile, m1, n1, g1, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M: gl.constexpr):
+    """One step of the plain tiles' two-deep schedule prefetch: the next tile's (M tile, N tile, group)
+    = ``m1, n1, g1`` (read a tile ago) with its group's rows read now, and ``tile``'s (M tile, N tile,
+    group) read now. A tile's rows depend on its group's read, so a one-deep prefetch would wait for that
+    read at once; here every read is used one tile after it is issued."""
+    s1, r1, e1 = _group_rows(g1, sched_ptr, NUM_GROUPS)
+    m2, n2, g2 = _tile_group(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M)
+    return m1, n1, g1, s1, r1, e1, m2, n2, g2
 
 
 @gluon.jit
@@ -93,11 +121,18 @@ def _tile_loads(tile, src, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr, KIND: g
     if KIND == KIND_PLAIN:
         pid_m, pid_n, group, row0, row_end, num_tiles = _tile_of(tile, sched_ptr, src[3], src[4], NUM_GROUPS,
                                                                  BLOCK_A, GROUP)
-        loads = (pid_m < num_tiles) & (group < NUM_GROUPS - 1)
-        return tile, row0, group * src[6] + pid_n * BLOCK_B, 0, gl.where(loads, src[7], 0)
+        b_row, end = _plain_loads(pid_m, pid_n, group, num_tiles, src, BLOCK_B)
+        return tile, row0, b_row, 0, end
     else:
         expert, pid_n, pid_k, first, end = _wgrad_tile(tile, sched_ptr, src[3], src[4], NUM_GROUPS, GROUP)
         return tile, pid_n * BLOCK_A, pid_k * BLOCK_B, first, end
+
+
+@gluon.jit
+def _plain_loads(pid_m, pid_n, group, num_tiles, src, BLOCK_B: gl.constexpr):
+    """A plain tile's row of B's tiles and end K block (0: nothing to load, see :func:`_tile_loads`)."""
+    loads = (pid_m < num_tiles) & (group < src[5] - 1)
+    return group * src[6] + pid_n * BLOCK_B, gl.where(loads, src[7], 0)
 
 
 @gluon.jit
