@@ -18,6 +18,7 @@
 # stochastic rounding among them).
 # prefetch_bench: the FP8 block kernels at DSv3 with and without wgmma_ws.TILE_PREFETCH (each kernel alone),
 # then the MLP with and without it against BF16 unfused in interleaved rounds.
+# wgmma_tests: the Gluon GEMMs' GPU tests (over 240 s on a cold H100 in run 28: hence its 420 s limit).
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -41,7 +42,7 @@ for s in $STEPS; do
                    tests/gpu/test_triton_nvfp4_gpu.py;;
     mxfp8_tests) step pytest_mxfp8 "${MXFP8_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
                    tests/gpu/test_triton_mxfp8_gpu.py;;
-    wgmma_tests) step pytest_wgmma "${WGMMA_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
+    wgmma_tests) step pytest_wgmma "${WGMMA_TESTS_TIMEOUT:-420}" python -m pytest -m gpu -q -p no:cacheprovider \
                    tests/gpu/test_fp8_block_wgmma_gpu.py;;
     other_tests) step pytest_other "${OTHER_TESTS_TIMEOUT:-420}" python -m pytest -m gpu -q -p no:cacheprovider -rs \
                    tests/gpu --ignore=tests/gpu/test_triton_fp8_block_gpu.py --ignore=tests/gpu/test_triton_mxfp8_gpu.py;;
