@@ -575,6 +575,7 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
         if unknown:
             raise ValueError(f"only: unknown variants {sorted(unknown)}; expected names from {sorted(configs)}")
         configs = {name: kw for name, kw in configs.items() if name == "default" or name in only}
+
     def timed(kw):
         # a config may also set module flags of backends.triton.<recipe>.<module> while it is timed
         with contextlib.ExitStack() as stack:

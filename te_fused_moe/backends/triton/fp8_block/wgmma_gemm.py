@@ -66,7 +66,14 @@ def _tile_of(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, BLOCK_M: gl.co
     GROUP_M swizzle and schedule reads as :mod:`..schedule` (whose helpers are Triton, not Gluon)."""
     pid_m, pid_n, group = _tile_group(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M)
     tile_start, row_start, row_end = _group_rows(group, sched_ptr, NUM_GROUPS)
-    return pid_m, pid_n, group, row_start + (pid_m - tile_start) * BLOCK_M, row_end, _tile_count(sched_ptr, NUM_GROUPS)
+    return (pid_m, pid_n, group, _first_row(pid_m, tile_start, row_start, BLOCK_M), row_end,
+            _tile_count(sched_ptr, NUM_GROUPS))
+
+
+@gluon.jit
+def _first_row(pid_m, tile_start, row_start, BLOCK_M: gl.constexpr):
+    """M tile ``pid_m``'s first row, from its group's first M tile and first row."""
+    return row_start + (pid_m - tile_start) * BLOCK_M
 
 
 @gluon.jit
@@ -99,6 +106,14 @@ def _plain_ahead(tile, m1, n1, g1, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS
     s1, r1, e1 = _group_rows(g1, sched_ptr, NUM_GROUPS)
     m2, n2, g2 = _tile_group(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M)
     return m1, n1, g1, s1, r1, e1, m2, n2, g2
+
+
+@gluon.jit
+def _plain_ahead_first(tile, step, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M: gl.constexpr):
+    """The two-deep prefetch's state as a loop over tiles ``tile, tile + step, ...`` enters its first
+    trip (:func:`_plain_ahead`): ``tile``'s fields and rows, and ``tile + step``'s fields."""
+    m0, n0, g0 = _tile_group(tile, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M)
+    return _plain_ahead(tile + step, m0, n0, g0, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS, GROUP_M)
 
 
 @gluon.jit

@@ -75,12 +75,11 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
     PLAIN_PREFETCH: gl.constexpr = PREFETCH and KIND == W.KIND_PLAIN
     if PLAIN_PREFETCH:
         num_tiles = W._tile_count(sched_ptr, NUM_GROUPS)
-        m0, n0, g0 = W._tile_group(gl.program_id(0), sched_ptr, src[3], src[4], NUM_GROUPS, GROUP)
-        cur_m, cur_n, cur_g, cur_s, cur_r, cur_e, next_m, next_n, next_g = W._plain_ahead(
-            gl.program_id(0) + src[2], m0, n0, g0, sched_ptr, src[3], src[4], NUM_GROUPS, GROUP)
+        cur_m, cur_n, cur_g, cur_s, cur_r, cur_e, next_m, next_n, next_g = W._plain_ahead_first(
+            gl.program_id(0), src[2], sched_ptr, src[3], src[4], NUM_GROUPS, GROUP)
     for tile in range(gl.program_id(0), src[1], src[2]):
         if PLAIN_PREFETCH:
-            a_row = cur_r + (cur_m - cur_s) * BLOCK_A
+            a_row = W._first_row(cur_m, cur_s, cur_r, BLOCK_A)
             b_row, end = W._plain_loads(cur_m, cur_n, cur_g, num_tiles, src, BLOCK_B)
             first = 0
             cur_m, cur_n, cur_g, cur_s, cur_r, cur_e, next_m, next_n, next_g = W._plain_ahead(
@@ -167,12 +166,11 @@ def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: 
     used = 0
     if PREFETCH:  # see TILE_PREFETCH
         num_tiles = W._tile_count(sched_ptr, NUM_GROUPS)
-        m0, n0, g0 = W._tile_group(gl.program_id(0), sched_ptr, src[3], src[4], NUM_GROUPS, GROUP_M)
-        cur_m, cur_n, cur_g, cur_s, cur_r, cur_e, next_m, next_n, next_g = W._plain_ahead(
-            gl.program_id(0) + src[2], m0, n0, g0, sched_ptr, src[3], src[4], NUM_GROUPS, GROUP_M)
+        cur_m, cur_n, cur_g, cur_s, cur_r, cur_e, next_m, next_n, next_g = W._plain_ahead_first(
+            gl.program_id(0), src[2], sched_ptr, src[3], src[4], NUM_GROUPS, GROUP_M)
     for tile in range(gl.program_id(0), src[1], src[2]):
         if PREFETCH:
-            pid_m, pid_n, group, row0, row_end = cur_m, cur_n, cur_g, cur_r + (cur_m - cur_s) * TILE_M, cur_e
+            pid_m, pid_n, group, row0, row_end = cur_m, cur_n, cur_g, W._first_row(cur_m, cur_s, cur_r, TILE_M), cur_e
             cur_m, cur_n, cur_g, cur_s, cur_r, cur_e, next_m, next_n, next_g = W._plain_ahead(
                 tile + 2 * src[2], next_m, next_n, next_g, sched_ptr, src[3], src[4], NUM_GROUPS, GROUP_M)
         else:
