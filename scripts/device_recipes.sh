@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [dglu_bench] [prefetch_bench] [stream_bench] [stream_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [dglu_bench] [prefetch_bench] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -18,8 +18,6 @@
 # stochastic rounding among them).
 # prefetch_bench: the FP8 block kernels at DSv3 with and without wgmma_ws.TILE_PREFETCH (each kernel alone),
 # then the MLP with and without it against BF16 unfused in interleaved rounds.
-# stream_bench / stream_probe: the FP8 block kernels and the MLP at DSv3 with and without
-# wgmma_ws.WGRAD_STREAM (as prefetch_bench); the wgrad probe's base and no_stream at E = 32 and E = 2, twice.
 # wgmma_tests: the Gluon GEMMs' GPU tests (over 240 s on a cold H100 in run 28: hence its 420 s limit).
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
@@ -74,13 +72,6 @@ for s in $STEPS; do
                     step recipes_prefetch "${PREFETCH_BENCH_TIMEOUT:-200}" python scripts/bench_recipes.py \
                       --recipes fp8_block --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
                       --implementations fp8_block_fused,fp8_block_fused_no_tile_prefetch --out "$OUT/recipes_prefetch";;
-    stream_bench) step variants_stream "${STREAM_BENCH_TIMEOUT:-200}" python scripts/bench_recipes.py \
-                    --variants fp8_block --only gluon_no_wgrad_stream --shapes dsv3-e32 --out "$OUT/variants_stream"
-                  step recipes_stream "${STREAM_BENCH_TIMEOUT:-200}" python scripts/bench_recipes.py \
-                    --recipes fp8_block --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
-                    --implementations fp8_block_fused,fp8_block_fused_no_wgrad_stream --out "$OUT/recipes_stream";;
-    stream_probe) step probe_wgrad_stream "${PROBE_TIMEOUT:-300}" python scripts/probe_wgrad.py \
-                    --variants base,no_stream --ptxas triton,triton --out "$OUT/probe_wgrad_stream";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
                    --shapes dsv3-e32 --out "$OUT/recipes_mxfp8";;
   esac

@@ -17,9 +17,6 @@ with ``wgmma_gemm``'s promotion helpers replaced before the first launch:
   the scheduler switch warps over the whole promotion, not half of it.
 - ``row_scale_only``: no column scales (no shared-memory loads of them, one FFMA per element, as the
   plain GEMM).
-- ``no_stream``: the wgrad's consumers in the tile loop (``wgmma_ws.WGRAD_STREAM = False``: each tile's
-  last promotion and store before the next tile's first wgmma): dw must be bitwise base's; E = 2 against
-  E = 32 shows what the stream saves per tile.
 - ``add_only``: no scales at all (acc + part, one FADD per element). The row scales' loads stay in the
   source but ptxas drops them, unused: the mainloop of a GEMM summing its 128-token partial products.
 Timed at DSv3's w1 and w2 wgrads (T routed rows over E experts; w1: N = 4096, K = 7168; w2: N = 7168,
@@ -45,7 +42,7 @@ from triton.experimental.gluon import language as gl
 
 from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
-VARIANTS = ("base", "no_stream", "col_then_row", "factor_by_fma", "row_scale_only", "add_only")
+VARIANTS = ("base", "col_then_row", "factor_by_fma", "row_scale_only", "add_only")
 SHAPES = {"dsv3_w1_e32": (32768, 32, 4096, 7168), "dsv3_w2_e32": (32768, 32, 7168, 2048),
           "w1_e2": (32768, 2, 4096, 7168)}
 
@@ -89,11 +86,6 @@ def promote_by_add(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 def _patch(variant: str) -> None:
     """Replaces the promotion helpers of ``wgmma_gemm`` that the wgrad's consumers call."""
     if variant == "base":
-        return
-    if variant == "no_stream":
-        from te_fused_moe.backends.triton.fp8_block import wgmma_ws
-
-        wgmma_ws.WGRAD_STREAM = False
         return
     if variant in ("col_then_row", "factor_by_fma"):
         W._promote = promote_col_then_row if variant == "col_then_row" else promote_factor_by_fma

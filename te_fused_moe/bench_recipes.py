@@ -289,11 +289,7 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                               "fp8_block", dglu_rows=dict(BLOCKS_FASTEST=False)),
                           # the Gluon kernels reading each tile's schedule entries at its start
                           "fp8_block_fused_no_tile_prefetch": _fused_under(
-                              "fp8_block", wgmma_ws=dict(TILE_PREFETCH=False)),
-                          # the Gluon wgrad's tile loop (each tile's last promotion and store before the
-                          # next tile's first wgmma) instead of the stream across tiles
-                          "fp8_block_fused_no_wgrad_stream": _fused_under(
-                              "fp8_block", wgmma_ws=dict(WGRAD_STREAM=False))},
+                              "fp8_block", wgmma_ws=dict(TILE_PREFETCH=False))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "mxfp8_fused_fp32_dglu_input": _fused_under("mxfp8", gemm=FP32_EPILOGUE_INPUT),
                       # at an FFN size off the tile (gpt-oss): FC1 as GEMM + GLU pass + quantize pass
@@ -525,8 +521,6 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
             # the Gluon kernels (plain GEMMs and wgrads) reading each tile's schedule entries when it
             # starts instead of under the tile before (wgmma_ws.TILE_PREFETCH)
             "gluon_no_tile_prefetch": dict(module_flags={"wgmma_ws": dict(TILE_PREFETCH=False)}),
-            # the Gluon wgrad's tile loop instead of its stream across tiles (wgmma_ws.WGRAD_STREAM)
-            "gluon_no_wgrad_stream": dict(module_flags={"wgmma_ws": dict(WGRAD_STREAM=False)}),
             # FC1 and the dGLU as one kernel each (the default before run 16; the epilogues alone are
             # the default on sm_90 since, at gemm.EPILOGUE_ALONE_WARPS)
             "epilogues_fused": dict(epilogue_config=G(num_stages=3, epilogue="fused")),

@@ -310,34 +310,3 @@ def test_tile_prefetch_changes_no_bit(monkeypatch, programs):
     assert torch.equal(plain_on, plain_off) and torch.equal(dw_on, dw_off)
     err = (dw_on.double() - ref).abs() - (2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag)
     assert float(err.max()) <= 0, float(err.max())
-
-
-@pytest.mark.parametrize("programs", [1, 2, 3, 7, None])
-def test_wgrad_stream_changes_no_bit(monkeypatch, programs):
-    """``wgmma_ws.WGRAD_STREAM`` (the wgrad's consumers run their tiles' token blocks as one stream, the
-    next tile's first wgmma issued before this tile's last promotion and store; an expert without tokens
-    as one block whose result is dropped) moves work, not results: on random data with runs of empty and
-    one-block experts (the stream's tiles of one block each, ending on empty experts), over forced grids
-    whose programs' streams have either parity, dw is bitwise the tile loop's and the Triton wgrad's,
-    zero for the experts without tokens, and within the FP64 bound."""
-    from te_fused_moe.backends.triton.fp8_block import wgmma_ws
-
-    counts = torch.tensor(_PERSISTENT_COUNTS)
-    N, K = 256, 384
-    gq, xq, counts, sched = _wgrad_problem(int(counts.sum()) + 7, N, K, counts.numel(), False, seed=70, counts=counts)
-    ref, mag = _wgrad_reference(gq, xq, counts, sched, N, K)
-    if programs is not None:
-        _forced_grid(monkeypatch, programs)
-    outs = {}
-    for stream in (True, False):
-        monkeypatch.setattr(wgmma_ws, "WGRAD_STREAM", stream)
-        outs[stream] = _run_wgrad("gluon", gq, xq, sched, (counts.numel(), N, K))
-    triton_dw = _run_wgrad("triton", gq, xq, sched, (counts.numel(), N, K))
-    on, off = outs[True], outs[False]
-    empty = counts == 0
-    print("WGRAD_STREAM", programs, int((on != off).sum()), int((on != triton_dw).sum()))
-    assert not on.isnan().any()
-    assert torch.equal(on, off) and torch.equal(on, triton_dw)
-    assert int(on[empty.cuda()].abs().sum()) == 0
-    err = (on.double() - ref).abs() - (2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag)
-    assert float(err.max()) <= 0, float(err.max())

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .quantize import BLOCK
 
@@ -120,17 +120,10 @@ def _plain_ahead_first(tile, step, sched_ptr, MAX_M_TILES, num_pid_n, NUM_GROUPS
 def _wgrad_tile(tile, sched_ptr, tiles_n, tiles_k, NUM_GROUPS, GROUP_N: gl.constexpr):
     """Wgrad tile ``tile``'s (expert, N tile, K tile, first token block, end token block): experts in
     turn (CTAs working at once share an expert's operands in L2), GROUP_N bands within one."""
-    expert, pid_n, pid_k = _wgrad_coords(tile, tiles_n, tiles_k, NUM_GROUPS, GROUP_N)
-    return expert, pid_n, pid_k, gl.load(sched_ptr + expert), gl.load(sched_ptr + NUM_GROUPS + expert)
-
-
-@gluon.jit
-def _wgrad_coords(tile, tiles_n, tiles_k, NUM_GROUPS, GROUP_N: gl.constexpr):
-    """Wgrad tile ``tile``'s (expert, N tile, K tile), without the schedule reads of :func:`_wgrad_tile`."""
     per_expert = tiles_n * tiles_k
     expert = gl.minimum(tile // per_expert, NUM_GROUPS - 2)
     pid_n, pid_k = _swizzle(tile % per_expert, tiles_n, tiles_k, GROUP_N)
-    return expert, pid_n, pid_k
+    return expert, pid_n, pid_k, gl.load(sched_ptr + expert), gl.load(sched_ptr + NUM_GROUPS + expert)
 
 
 @gluon.jit
@@ -291,25 +284,6 @@ def _retire(ring, token, outstanding: gl.constexpr, j, NUM_STAGES: gl.constexpr,
     gl.thread_barrier()  # every warp of this consumer is past its wgmma on this stage before TMA overwrites it
     mbarrier.arrive(ring[7].index(j % NUM_STAGES), count=1)
     return done, cs
-
-
-@gluon.constexpr_function
-def accumulator_layout(num_warps, block_n):
-    """A consumer's FP32 accumulator in the wgmma layout: ``num_warps`` warps down the rows, instructions
-    ``block_n`` wide."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 32])
-
-
-@gluon.jit
-def _stage(acc, staging):
-    """Writes ``acc`` into the shared-memory ``staging`` tile (in its dtype) for a TMA store: waits for the
-    previous tile's store to have read it (and every warp to have read back a partial tile, see
-    :func:`.wgmma_ws._store_plain_tile`), then fences the writes for the TMA engine (async proxy)."""
-    tma.store_wait(0)
-    gl.thread_barrier()
-    staging.store(acc.to(staging.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
 
 
 def descriptor(t: torch.Tensor, block_rows: int):

@@ -38,7 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from . import wgmma_gemm as W, wgrad_stream as S
+from . import wgmma_gemm as W
 
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can be given: it only issues TMA copies
@@ -53,22 +53,19 @@ FIRST_BAND, SECOND_BAND = gl.constexpr(0), gl.constexpr(1)  # the consumers' ban
 # and 1.80 vs 1.83 ms), the wgrads within +-3% either way (their ~8 token blocks per tile do not lose
 # their time at the tile's start), the MLP within its run-to-run spread (10.86 vs 10.94, 10.99 vs 10.83).
 TILE_PREFETCH = True
-# The wgrad's consumers run their program's token blocks as one stream across tiles
-# (:mod:`.wgrad_stream`): a tile's last promotion and its store under the next tile's first wgmma. With
-# two consumer partitions and the TMA store (the defaults); the tile loop otherwise.
-WGRAD_STREAM = True
 
 
 @gluon.jit
 def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr,
-              PREFETCH: gl.constexpr, STREAM: gl.constexpr = False):
+              PREFETCH: gl.constexpr):
     """Loads every K block of this program's tiles, in the consumers' order, into the ring: waits for a
     stage to be handed back (``empty``), then TMA-copies A's and B's tiles (and, ``OUTER``, B's column
-    scales) into it, completing on its ``ready`` barrier. ``STREAM`` (the wgrad's
-    :func:`.wgrad_stream.wgrad_stream_consumer`): an expert without tokens as one block, block 0."""
+    scales) into it, completing on its ``ready`` barrier."""
     a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty = ring
     BLOCK_A: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_B: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     loaded = 0
     sched_ptr, NUM_GROUPS = src[0], src[5]
     # TILE_PREFETCH, the plain GEMM only: the wgrad's producer computed with it (the same next-tile reads
@@ -89,34 +86,22 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
                 tile + 2 * src[2], next_m, next_n, next_g, sched_ptr, src[3], src[4], NUM_GROUPS, GROUP)
         else:
             _, a_row, b_row, first, end = W._tile_loads(tile, src, BLOCK_A, BLOCK_B, KIND, GROUP)
-            if STREAM:
-                first, end, _ = S.stream_tile_blocks(first, end)
         for blk in range(first, end):
-            _load_block(ring, loaded, a_row, b_row, blk, NUM_STAGES, OUTER)
+            stage = loaded % NUM_STAGES
+            # a stage starts free: its empty barrier's phase "before 0" counts as complete
+            mbarrier.wait(empty.index(stage), ((loaded // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            if OUTER:
+                # the consumers read the column scales with ordinary loads: order them before the TMA
+                # write (async proxy) that reuses the stage
+                fence_async_shared()
+                mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(cs_desc, [blk, b_row], bar, cs_bufs.index(stage))
+            else:
+                mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(a_desc, [a_row, blk * BLOCK_K], bar, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [b_row, blk * BLOCK_K], bar, b_bufs.index(stage))
             loaded += 1
-
-
-@gluon.jit
-def _load_block(ring, loaded, a_row, b_row, blk, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr):
-    """Loads the ring's ``loaded``-th K block (token block ``blk`` of A's tile row ``a_row`` and B's
-    ``b_row``) once its stage is handed back."""
-    a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty = ring
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    stage = loaded % NUM_STAGES
-    # a stage starts free: its empty barrier's phase "before 0" counts as complete
-    mbarrier.wait(empty.index(stage), ((loaded // NUM_STAGES) & 1) ^ 1)
-    bar = ready.index(stage)
-    if OUTER:
-        # the consumers read the column scales with ordinary loads: order them before the TMA
-        # write (async proxy) that reuses the stage
-        fence_async_shared()
-        mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(cs_desc, [blk, b_row], bar, cs_bufs.index(stage))
-    else:
-        mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(a_desc, [a_row, blk * BLOCK_K], bar, a_bufs.index(stage))
-    tma.async_copy_global_to_shared(b_desc, [b_row, blk * BLOCK_K], bar, b_bufs.index(stage))
 
 
 @gluon.jit
@@ -139,6 +124,25 @@ def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr
     return a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty
 
 
+@gluon.constexpr_function
+def _accumulator_layout(num_warps, block_n):
+    """A consumer's FP32 accumulator in the wgmma layout: ``num_warps`` warps down the rows, instructions
+    ``block_n`` wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 32])
+
+
+@gluon.jit
+def _stage(acc, staging):
+    """Writes ``acc`` into the shared-memory ``staging`` tile (in its dtype) for a TMA store: waits for the
+    previous tile's store to have read it (and every warp to have read back a partial tile, see
+    :func:`_store_plain_tile`), then fences the writes for the TMA engine (async proxy)."""
+    tma.store_wait(0)
+    gl.thread_barrier()
+    staging.store(acc.to(staging.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
 @gluon.jit
 def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, PREFETCH: gl.constexpr, BAND: gl.constexpr,
@@ -153,7 +157,7 @@ def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: 
     TILE_M: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_N: gl.constexpr = ring[1].block_type.shape[0]
     BLOCK_M: gl.constexpr = TILE_M // BANDS
-    mma: gl.constexpr = W.accumulator_layout(num_warps, BLOCK_N)
+    mma: gl.constexpr = _accumulator_layout(num_warps, BLOCK_N)
     if TMA_STORE:
         staging = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     else:
@@ -202,7 +206,7 @@ def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col
     BLOCK_M: gl.constexpr = acc.shape[0]
     BLOCK_N: gl.constexpr = acc.shape[1]
     if TMA_STORE:
-        W._stage(acc, staging)
+        _stage(acc, staging)
         if row0 + BLOCK_M <= row_end:
             tma.async_copy_shared_to_global(c_desc, [row0, col0], staging)
         else:
@@ -262,7 +266,7 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
     TILE_N: gl.constexpr = ring[0].block_type.shape[0]
     BLOCK_K: gl.constexpr = ring[1].block_type.shape[0]
     BLOCK_N: gl.constexpr = TILE_N // BANDS
-    mma: gl.constexpr = W.accumulator_layout(num_warps, BLOCK_K)
+    mma: gl.constexpr = _accumulator_layout(num_warps, BLOCK_K)
     if TMA_STORE:
         staging = gl.allocate_shared_memory(dw_desc.dtype, dw_desc.block_type.shape, dw_desc.layout)
     used = 0
@@ -285,7 +289,7 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
         else:
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma)
         if TMA_STORE:
-            W._stage(acc, staging)
+            _stage(acc, staging)
             tma.async_copy_shared_to_global(dw_desc, [expert * N + row0, pid_k * BLOCK_K], staging)
         else:
             W._store_rows(dw_ptr + expert.to(gl.int64) * stride_dw_e, stride_dw_n, row0, N, pid_k * BLOCK_K, K, acc,
@@ -299,7 +303,7 @@ def fp8_block_wgrad_ws_kernel(
     g_desc, gs_ptr, stride_gst, x_desc, xs_desc, dw_ptr, dw_desc, stride_dw_e, stride_dw_n,
     sched_ptr, N, K, NUM_GROUPS,
     GROUP_N: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, PREFETCH: gl.constexpr,
-    CONSUMERS: gl.constexpr, STREAM: gl.constexpr,
+    CONSUMERS: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``dw[e][n tile, k tile] = sum over expert e's token blocks t of G_t^T X_t * gs[t, n] * xs[t, k]``
@@ -314,14 +318,7 @@ def fp8_block_wgrad_ws_kernel(
     src = (sched_ptr, (NUM_GROUPS - 1) * tiles_n * tiles_k, gl.num_programs(0), tiles_n, tiles_k, NUM_GROUPS, 0, 0)
     ring = _ring(g_desc, x_desc, xs_desc, NUM_STAGES, True, CONSUMERS)
     p = (gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N, K)
-    if STREAM:  # two consumer partitions, TMA store (launch_wgrad checks)
-        gl.warp_specialize([(S.wgrad_stream_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, FIRST_BAND,
-                                                       CONSUMERS, num_warps)),
-                            (S.wgrad_stream_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, SECOND_BAND,
-                                                       CONSUMERS, num_warps)),
-                            (_producer, (ring, src, W.KIND_WGRAD, GROUP_N, NUM_STAGES, True, PREFETCH, STREAM))],
-                           [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
-    elif CONSUMERS == 1:  # as in fp8_block_gemm_ws_kernel
+    if CONSUMERS == 1:  # as in fp8_block_gemm_ws_kernel
         gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, PREFETCH,
                                                FIRST_BAND, CONSUMERS, num_warps)),
                             (_producer, (ring, src, W.KIND_WGRAD, GROUP_N, NUM_STAGES, True, PREFETCH))],
@@ -430,6 +427,5 @@ def launch_wgrad(g, x, schedule: torch.Tensor, dw: torch.Tensor, *, block_n: int
         g_desc, g.scale_t, g.scale_t.stride(0),
         W.descriptor(x.data_t, block_k), W.scale_descriptor(x.scale_t, block_k),
         dw, dw_desc if dw_desc is not None else g_desc, dw.stride(0), dw.stride(1), schedule, n, k, num_experts + 1,
-        GROUP_N=group_n, NUM_STAGES=num_stages, TMA_STORE=dw_desc is not None, PREFETCH=TILE_PREFETCH,
-        STREAM=WGRAD_STREAM and dw_desc is not None and consumers == 2, **launch,
+        GROUP_N=group_n, NUM_STAGES=num_stages, TMA_STORE=dw_desc is not None, PREFETCH=TILE_PREFETCH, **launch,
     )
