@@ -482,7 +482,8 @@ def _launch_shape(cfg: FP8GemmConfig, acc_in: bool) -> dict:
 
 def gluon_kernels_available() -> Optional[str]:
     """None if this Triton has the Gluon API the kernels of :mod:`.wgmma_ws` are written against
-    (Triton 3.6), else why not. Asked on every launch: the answer is cached per Triton version."""
+    (Triton 3.6 on; the names later releases changed are resolved in :mod:`.gluon_names`), else why
+    not. Asked on every launch: the answer is cached per Triton version."""
     return _gluon_check(triton.__version__)
 
 

@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
+from . import gluon_names as G
 from .quantize import BLOCK
 
 BM = BN = BK = BLOCK  # one scale block per K step, one weight scale block per tile
@@ -281,7 +282,7 @@ def _retire(ring, token, outstanding: gl.constexpr, j, NUM_STAGES: gl.constexpr,
         cs = ring[6].index(j % NUM_STAGES).load(done.type.layout)
     else:
         cs = 1.0
-    gl.thread_barrier()  # every warp of this consumer is past its wgmma on this stage before TMA overwrites it
+    G.thread_barrier()  # every warp of this consumer is past its wgmma on this stage before TMA overwrites it
     mbarrier.arrive(ring[7].index(j % NUM_STAGES), count=1)
     return done, cs
 

@@ -38,7 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from . import wgmma_gemm as W
+from . import gluon_names as G, wgmma_gemm as W
 
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can be given: it only issues TMA copies
@@ -96,11 +96,11 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
                 # write (async proxy) that reuses the stage
                 fence_async_shared()
                 mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(cs_desc, [blk, b_row], bar, cs_bufs.index(stage))
+                G.tma_load(cs_desc, [blk, b_row], bar, cs_bufs.index(stage))
             else:
                 mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(a_desc, [a_row, blk * BLOCK_K], bar, a_bufs.index(stage))
-            tma.async_copy_global_to_shared(b_desc, [b_row, blk * BLOCK_K], bar, b_bufs.index(stage))
+            G.tma_load(a_desc, [a_row, blk * BLOCK_K], bar, a_bufs.index(stage))
+            G.tma_load(b_desc, [b_row, blk * BLOCK_K], bar, b_bufs.index(stage))
             loaded += 1
 
 
@@ -137,10 +137,10 @@ def _stage(acc, staging):
     previous tile's store to have read it (and every warp to have read back a partial tile, see
     :func:`_store_plain_tile`), then fences the writes for the TMA engine (async proxy)."""
     tma.store_wait(0)
-    gl.thread_barrier()
+    G.thread_barrier()
     staging.store(acc.to(staging.dtype))
     fence_async_shared()
-    gl.thread_barrier()
+    G.thread_barrier()
 
 
 @gluon.jit
@@ -208,7 +208,7 @@ def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col
     if TMA_STORE:
         _stage(acc, staging)
         if row0 + BLOCK_M <= row_end:
-            tma.async_copy_shared_to_global(c_desc, [row0, col0], staging)
+            G.tma_store(c_desc, [row0, col0], staging)
         else:
             W._store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, col_end,
                                  staging.load(W._row_vectors(num_warps)), BLOCK_M, BLOCK_N, num_warps)
@@ -290,7 +290,7 @@ def _wgrad_consumer(ring, src, params, dw_desc, GROUP_N: gl.constexpr, NUM_STAGE
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, mma)
         if TMA_STORE:
             _stage(acc, staging)
-            tma.async_copy_shared_to_global(dw_desc, [expert * N + row0, pid_k * BLOCK_K], staging)
+            G.tma_store(dw_desc, [expert * N + row0, pid_k * BLOCK_K], staging)
         else:
             W._store_rows(dw_ptr + expert.to(gl.int64) * stride_dw_e, stride_dw_n, row0, N, pid_k * BLOCK_K, K, acc,
                           BLOCK_N, BLOCK_K, num_warps)
