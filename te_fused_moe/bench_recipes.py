@@ -238,6 +238,15 @@ def _module_flags(module_name: str, flags: Dict):
             setattr(module, name, value)
 
 
+@contextlib.contextmanager
+def _recipe_module_flags(recipe: str, module_flags: Dict[str, Dict]):
+    """Flags of modules ``backends.triton.<recipe>.<module>`` (``{module: dict(...)}``) set inside."""
+    with contextlib.ExitStack() as stack:
+        for module, flags in module_flags.items():
+            stack.enter_context(_module_flags(f".backends.triton.{recipe}.{module}", flags))
+        yield
+
+
 def _call_under(module_name: str, flags: Dict, fn):
     """``fn()`` with ``flags`` set on the module (see :func:`_module_flags`)."""
     with _module_flags(module_name, flags):
@@ -248,15 +257,7 @@ def _fused_under(recipe: str, **module_flags: Dict):
     """The fused path with flags of modules ``backends.triton.<recipe>.<module>`` (``module=dict(...)``)
     set while it is timed, forward and backward (``bench_impl`` enters ``run.context``)."""
     run = _fused(recipe)
-
-    @contextlib.contextmanager
-    def context():
-        with contextlib.ExitStack() as stack:
-            for module, flags in module_flags.items():
-                stack.enter_context(_module_flags(f".backends.triton.{recipe}.{module}", flags))
-            yield
-
-    run.context = context
+    run.context = lambda: _recipe_module_flags(recipe, module_flags)
     return run
 
 
@@ -578,9 +579,7 @@ def variants(recipe: str, shape_name: str = "dsv3-e32", only: Optional[List[str]
 
     def timed(kw):
         # a config may also set module flags of backends.triton.<recipe>.<module> while it is timed
-        with contextlib.ExitStack() as stack:
-            for module, flags in kw.pop("module_flags", {}).items():
-                stack.enter_context(_module_flags(f".backends.triton.{recipe}.{module}", flags))
+        with _recipe_module_flags(recipe, kw.pop("module_flags", {})):
             return bench_kernels(recipe, shape, inputs, fp8_peak, **kw)
 
     return {name: timed(dict(kw)) for name, kw in configs.items()}
