@@ -203,36 +203,48 @@ def _promoted_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scal
         rs_k = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k, OUTER)
         issued = _issue(ring, used + k, spare, NUM_STAGES, BAND, BANDS)
         done, cs = _retire(ring, in_flight, 1, used + k - 1, NUM_STAGES, OUTER)
-        acc = _promote(acc, done, rs, cs, OUTER)
+        acc = _promote(acc, done, _block_factor(rs, OUTER), cs, OUTER)
         rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k + 1, OUTER)
         in_flight = _issue(ring, used + k + 1, done, NUM_STAGES, BAND, BANDS)
         spare, cs = _retire(ring, issued, 1, used + k, NUM_STAGES, OUTER)
-        acc = _promote(acc, spare, rs_k, cs, OUTER)
+        acc = _promote(acc, spare, _block_factor(rs_k, OUTER), cs, OUTER)
     # both branches end with every wgmma waited for: a token leaving an if would merge X and Y (a copy)
     if k_tiles % 2 == 0:
         # one K block left after the pairs
         last = k_tiles - 1
         issued = _issue(ring, used + last, spare, NUM_STAGES, BAND, BANDS)
         done, cs = _retire(ring, in_flight, 1, used + last - 1, NUM_STAGES, OUTER)
-        acc = _promote(acc, done, rs, cs, OUTER)
+        acc = _promote(acc, done, _block_factor(rs, OUTER), cs, OUTER)
         rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + last, OUTER)
         done, cs = _retire(ring, issued, 0, used + last, NUM_STAGES, OUTER)
-        acc = _promote(acc, done, rs, cs, OUTER)
+        acc = _promote(acc, done, _block_factor(rs, OUTER), cs, OUTER)
     else:
         done, cs = _retire(ring, in_flight, 0, used + k_tiles - 1, NUM_STAGES, OUTER)
-        acc = _promote(acc, done, rs, cs, OUTER)
+        acc = _promote(acc, done, _block_factor(rs, OUTER), cs, OUTER)
     return acc
 
 
 @gluon.jit
 def _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k, OUTER: gl.constexpr):
-    """Block ``k``'s per-row scale factors: A's (``OUTER``: B's come with the stage) or A's times the
-    128x128 weight block's scalar (taken at load time: the rows' vector stays 2 registers)."""
+    """Block ``k``'s scales as loaded: A's per-row ones and B's 128x128 weight block's scalar (``OUTER``: 1,
+    B's per-row scales come with the stage); :func:`_block_factor` multiplies them at the promotion.
+    Multiplied here, at the load, ptxas put the product before the next block's wgmma issue: each block
+    the warp stalled there on the loads' latency (ncu, run 30: the plain GEMMs' hottest consumer
+    instruction)."""
     rows = gl.load(row_scales + k * stride_row_scales)
     if OUTER:
-        return rows
+        return rows, 1.0
     else:
-        return rows * gl.load(col_scales + k * stride_col_scales)
+        return rows, gl.load(col_scales + k * stride_col_scales)
+
+
+@gluon.jit
+def _block_factor(scales, OUTER: gl.constexpr):
+    """The per-row factor of a block's promotion from :func:`_row_scale`'s pair."""
+    if OUTER:
+        return scales[0]
+    else:
+        return scales[0] * scales[1]
 
 
 @gluon.jit
@@ -261,12 +273,20 @@ def _a_tile(ring, stage, BAND: gl.constexpr, BANDS: gl.constexpr):
 
 
 @gluon.jit
+def ring_slot(j, NUM_STAGES: gl.constexpr):
+    """The ring's ``j``-th block (``j >= 0``): its stage and the phase of that stage's barriers. Unsigned:
+    a signed remainder costs ptxas ~5 more uniform instructions per use (sign fix-ups)."""
+    u = j.to(gl.uint32)
+    return (u % NUM_STAGES).to(gl.int32), ((u // NUM_STAGES) & 1).to(gl.int32)
+
+
+@gluon.jit
 def _issue(ring, j, out, NUM_STAGES: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr):
     """Waits for the tiles of the ring's ``j``-th K block and issues its wgmma (A's rows: :func:`_a_tile`)
     into ``out``'s registers (not accumulated)."""
     b_bufs, ready = ring[3], ring[4]
-    stage = j % NUM_STAGES
-    mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+    stage, phase = ring_slot(j, NUM_STAGES)
+    mbarrier.wait(ready.index(stage), phase)
     return warpgroup_mma(_a_tile(ring, stage, BAND, BANDS), b_bufs.index(stage).permute((1, 0)), out, use_acc=False,
                          is_async=True)
 
@@ -279,11 +299,11 @@ def _retire(ring, token, outstanding: gl.constexpr, j, NUM_STAGES: gl.constexpr,
     its layout)."""
     done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(token,))
     if OUTER:
-        cs = ring[6].index(j % NUM_STAGES).load(done.type.layout)
+        cs = ring[6].index(ring_slot(j, NUM_STAGES)[0]).load(done.type.layout)
     else:
         cs = 1.0
     G.thread_barrier()  # every warp of this consumer is past its wgmma on this stage before TMA overwrites it
-    mbarrier.arrive(ring[7].index(j % NUM_STAGES), count=1)
+    mbarrier.arrive(ring[7].index(ring_slot(j, NUM_STAGES)[0]), count=1)
     return done, cs
 
 

@@ -87,9 +87,9 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
         else:
             _, a_row, b_row, first, end = W._tile_loads(tile, src, BLOCK_A, BLOCK_B, KIND, GROUP)
         for blk in range(first, end):
-            stage = loaded % NUM_STAGES
+            stage, phase = W.ring_slot(loaded, NUM_STAGES)
             # a stage starts free: its empty barrier's phase "before 0" counts as complete
-            mbarrier.wait(empty.index(stage), ((loaded // NUM_STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(stage), phase ^ 1)
             bar = ready.index(stage)
             if OUTER:
                 # the consumers read the column scales with ordinary loads: order them before the TMA
