@@ -174,6 +174,9 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         p.error(f"--variants: expected names from {', '.join(VARIANTS)}, got {', '.join(unknown)}")
+    from te_fused_moe.backends.triton.ptxas import triton_env
+
+    triton_var = triton_env()  # TRITON_PTXAS_PATH in Triton 3.6
     results = {}
     for setting in settings:
         for variant in variants:
@@ -182,8 +185,8 @@ def main() -> None:
                 if key not in results:
                     break
                 key = f"{first}#{repeat}"
-            # each child chooses its own ptxas: none inherits the TRITON_PTXAS_PATH a choice here exported
-            env = {k: v for k, v in os.environ.items() if k != "TRITON_PTXAS_PATH"}
+            # each child chooses its own ptxas: none inherits the variable a choice here exported
+            env = {k: v for k, v in os.environ.items() if k != triton_var}
             proc = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
                                   env=dict(env, TE_FUSED_MOE_PTXAS=setting))
             if proc.returncode:

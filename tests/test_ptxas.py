@@ -91,14 +91,16 @@ def test_a_path_must_be_a_ptxas(no_system_toolkit, tmp_path):
 def test_a_different_triton_ptxas_path_conflicts(no_system_toolkit, tmp_path):
     mine = _fake_ptxas(tmp_path / "a", _bundled_plus(1))
     other = _fake_ptxas(tmp_path / "b", _bundled_plus(1))
-    env = dict(no_system_toolkit, TE_FUSED_MOE_PTXAS=mine, TRITON_PTXAS_PATH=other)
-    with pytest.raises(ValueError, match=r"TRITON_PTXAS_PATH already names .*: set one of them"):
+    triton_var = ptxas.triton_env()  # TRITON_PTXAS_PATH in Triton 3.6
+    env = dict(no_system_toolkit, TE_FUSED_MOE_PTXAS=mine, **{triton_var: other})
+    with pytest.raises(ValueError, match=rf"{triton_var} already names .*: set one of them"):
         ptxas.resolve(env)
-    assert ptxas.resolve(dict(env, TRITON_PTXAS_PATH=mine)).path == mine
+    assert ptxas.resolve(dict(env, **{triton_var: mine})).path == mine
 
 
 def _in_fresh_process(code: str, env: dict) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_PTXAS_PATH", "TE_FUSED_MOE_PTXAS")}
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH", "TE_FUSED_MOE_PTXAS")}
     full_env.update(env, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=300)
@@ -106,8 +108,8 @@ def _in_fresh_process(code: str, env: dict) -> subprocess.CompletedProcess:
 
 def test_importing_the_backend_points_triton_at_the_choice(tmp_path):
     chosen = _fake_ptxas(tmp_path / "cuda" / "bin", _bundled_plus(1))
-    code = ("import os, te_fused_moe.backends.triton\nfrom triton import knobs\n"
-            "print('PTXAS', knobs.nvidia.ptxas.path, knobs.nvidia.ptxas.version, os.environ['TRITON_PTXAS_PATH'])")
+    code = ("import os, te_fused_moe.backends.triton\nfrom te_fused_moe.backends.triton import ptxas\n"
+            "used = ptxas.in_use()\nprint('PTXAS', used.path, used.version, os.environ[ptxas.triton_env()])")
     proc = _in_fresh_process(code, {"TE_FUSED_MOE_PTXAS": chosen})
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("PTXAS")][-1].split()
@@ -124,6 +126,32 @@ def test_no_switch_once_triton_has_read_a_version(tmp_path, monkeypatch):
     monkeypatch.setattr(ptxas, "_triton_has_read_a_ptxas_version", lambda: True)
     env = {"PATH": str(tmp_path), "TE_FUSED_MOE_PTXAS": chosen}
     with pytest.raises(RuntimeError, match=r"Triton has already compiled with .* set TE_FUSED_MOE_PTXAS \(or "
-                                           r"TRITON_PTXAS_PATH\) before the first Triton compile"):
+                                           rf"{ptxas.triton_env()}\) before the first Triton compile"):
         ptxas.apply(env)
-    assert "TRITON_PTXAS_PATH" not in env
+    assert ptxas.triton_env() not in env
+
+
+def test_the_choice_goes_to_the_knob_triton_compiles_sm90_with(no_system_toolkit, tmp_path, monkeypatch):
+    """From Triton 3.9 the compiler's ``get_ptxas(arch)`` answers ``knobs.nvidia.ptxas_blackwell`` for every
+    arch >= 90 (Triton 3.6: ``knobs.nvidia.ptxas`` below 100). Simulated here on the installed Triton: the
+    choice must land on that knob and its variable, else sm_90 kept Triton's own ptxas under 3.9."""
+    from triton import knobs
+    from triton.backends.nvidia import compiler
+
+    monkeypatch.setattr(compiler, "get_ptxas",
+                        lambda arch: knobs.nvidia.ptxas_blackwell if arch >= 90 else knobs.nvidia.ptxas)
+    monkeypatch.setattr(ptxas, "_triton_has_read_a_ptxas_version", lambda: False)
+    monkeypatch.delenv("TRITON_PTXAS_BLACKWELL_PATH", raising=False)  # restored after the test
+    assert (ptxas.sm90_knob(), ptxas.triton_env()) == ("ptxas_blackwell", "TRITON_PTXAS_BLACKWELL_PATH")
+    assert ptxas.triton_bundled().path.endswith("ptxas-blackwell")
+    chosen = _fake_ptxas(tmp_path / "mine", _bundled_plus(1))
+    env = dict(no_system_toolkit, TE_FUSED_MOE_PTXAS=chosen)
+    try:
+        assert ptxas.apply(env).path == chosen
+        assert ptxas.in_use().path == chosen and knobs.nvidia.ptxas.path != chosen
+        assert env["TRITON_PTXAS_BLACKWELL_PATH"] == chosen and "TRITON_PTXAS_PATH" not in env
+    finally:
+        del knobs.nvidia.ptxas_blackwell
+    other = _fake_ptxas(tmp_path / "other", _bundled_plus(1))
+    with pytest.raises(ValueError, match=r"TRITON_PTXAS_BLACKWELL_PATH already names .*: set one of them"):
+        ptxas.resolve(dict(env, TRITON_PTXAS_BLACKWELL_PATH=other))

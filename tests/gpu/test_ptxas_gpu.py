@@ -40,7 +40,9 @@ torch.save(dict(out, ptxas=(used.path, used.version)), sys.argv[1])
 
 
 def _run(setting: str, path: str, seed: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_PTXAS_PATH", "TRITON_INTERPRET")}
+    from te_fused_moe.backends.triton import ptxas
+
+    env = {k: v for k, v in os.environ.items() if k not in (ptxas.triton_env(), "TRITON_INTERPRET")}
     env.update(TE_FUSED_MOE_PTXAS=setting, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", CHILD, path, str(seed)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -8,7 +8,7 @@ yielding with 12.8, about half with 13.0; offline builds in tests/test_ptxas.py)
 
 ``TE_FUSED_MOE_PTXAS`` picks it:
 
-- ``triton`` (the default): Triton's own, or whatever ``TRITON_PTXAS_PATH`` names.
+- ``triton`` (the default): Triton's own, or whatever its variable (:func:`triton_env`) names.
 - ``auto``: the CUDA toolkit's ptxas where it is >= 12.9 and newer than Triton's, else Triton's.
 - ``toolkit``: the CUDA toolkit's ptxas, which must be >= 12.9 (an error otherwise).
 - a path: that ptxas.
@@ -17,7 +17,9 @@ The toolkit's ptxas is looked for in ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, nex
 PATH, on the PATH, then in ``/usr/local/cuda/bin``. The choice holds for the whole process: Triton
 has one ptxas per process, reads its version once and keys its kernel cache by it, so the choice is
 made when the Triton backend is imported (``apply``) and refused once Triton has compiled a kernel
-with another ptxas. It is written to ``TRITON_PTXAS_PATH``, so child processes inherit it.
+with another ptxas. It is written to the knob Triton's compiler reads for sm_90 (:func:`sm90_knob`:
+``TRITON_PTXAS_PATH`` up to Triton 3.8, ``TRITON_PTXAS_BLACKWELL_PATH`` from 3.9, whose ``get_ptxas``
+takes that one for every arch >= 90), so child processes inherit it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import shutil
 from typing import Mapping, Optional
 
 ENV = "TE_FUSED_MOE_PTXAS"
-TRITON_ENV = "TRITON_PTXAS_PATH"
 SETTINGS = ("triton", "auto", "toolkit")
 INTERLEAVES_FROM = (12, 9)  # the first ptxas that interleaves FFMA yield hints by itself
 DEFAULT_TOOLKIT_BIN = "/usr/local/cuda/bin"
@@ -61,11 +62,33 @@ def probe(path: str) -> Optional[Ptxas]:
     return None if tool is None else Ptxas(tool.path, tool.version)
 
 
-def triton_bundled() -> Ptxas:
-    """The ptxas in the Triton wheel."""
+def sm90_knob() -> str:
+    """The ``triton.knobs.nvidia`` attribute whose ptxas Triton's compiler runs for sm_90: the one its
+    ``get_ptxas(90)`` answers with (``ptxas`` in Triton 3.6, ``ptxas_blackwell`` from 3.9). Where both
+    name the same file, ``ptxas``."""
+    from triton import knobs
+    from triton.backends.nvidia import compiler
+
+    used = compiler.get_ptxas(90).path
+    for name in ("ptxas", "ptxas_blackwell"):
+        if name in type(knobs.nvidia).__dict__ and getattr(knobs.nvidia, name).path == used:
+            return name
+    raise RuntimeError(f"Triton compiles sm_90 with {used}, which neither knobs.nvidia.ptxas nor "
+                       f"knobs.nvidia.ptxas_blackwell names")
+
+
+def triton_env() -> str:
+    """The environment variable of :func:`sm90_knob` (``TRITON_PTXAS_PATH`` in Triton 3.6)."""
     from triton import knobs
 
-    default_path = type(knobs.nvidia).__dict__["ptxas"].default_path
+    return type(knobs.nvidia).__dict__[sm90_knob()].key
+
+
+def triton_bundled() -> Ptxas:
+    """The ptxas in the Triton wheel that Triton compiles sm_90 with."""
+    from triton import knobs
+
+    default_path = type(knobs.nvidia).__dict__[sm90_knob()].default_path
     found = probe(default_path)
     if found is None:
         raise RuntimeError(f"the Triton wheel has no working ptxas at {default_path}")
@@ -120,9 +143,10 @@ def resolve(environ: Mapping[str, str]) -> Optional[Ptxas]:
         if chosen is None:
             raise ValueError(f"{ENV}: expected one of {', '.join(repr(s) for s in SETTINGS)} or the path of a "
                              f"ptxas, got {setting!r}: no ptxas answers '--version' there")
-    preset = environ.get(TRITON_ENV)
+    triton_var = triton_env()
+    preset = environ.get(triton_var)
     if preset and os.path.realpath(preset) != os.path.realpath(chosen.path):
-        raise ValueError(f"{ENV}={setting} chose {chosen.path}, but {TRITON_ENV} already names {preset}: "
+        raise ValueError(f"{ENV}={setting} chose {chosen.path}, but {triton_var} already names {preset}: "
                          f"set one of them")
     return chosen
 
@@ -134,10 +158,10 @@ def _triton_has_read_a_ptxas_version() -> bool:
 
 
 def in_use() -> Ptxas:
-    """The ptxas Triton compiles with now."""
-    from triton import knobs
+    """The ptxas Triton compiles sm_90 with now."""
+    from triton.backends.nvidia import compiler
 
-    tool = knobs.nvidia.ptxas
+    tool = compiler.get_ptxas(90)
     return Ptxas(tool.path, tool.version)
 
 
@@ -153,10 +177,10 @@ def apply(environ: Optional[dict] = None) -> Optional[Ptxas]:
     if _triton_has_read_a_ptxas_version():
         raise RuntimeError(f"{ENV} chose {chosen.path} ({chosen.version}), but Triton has already compiled with "
                            f"{current.path} ({current.version}) in this process and keys its cache by that "
-                           f"version: set {ENV} (or {TRITON_ENV}) before the first Triton compile")
+                           f"version: set {ENV} (or {triton_env()}) before the first Triton compile")
     from triton import knobs
 
-    knobs.nvidia.ptxas = chosen.path  # also sets TRITON_PTXAS_PATH in os.environ
+    setattr(knobs.nvidia, sm90_knob(), chosen.path)  # also sets its variable (triton_env) in os.environ
     if environ is not os.environ:
-        environ[TRITON_ENV] = chosen.path
+        environ[triton_env()] = chosen.path
     return chosen
