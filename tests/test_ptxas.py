@@ -155,3 +155,27 @@ def test_the_choice_goes_to_the_knob_triton_compiles_sm90_with(no_system_toolkit
     other = _fake_ptxas(tmp_path / "other", _bundled_plus(1))
     with pytest.raises(ValueError, match=r"TRITON_PTXAS_BLACKWELL_PATH already names .*: set one of them"):
         ptxas.resolve(dict(env, TRITON_PTXAS_BLACKWELL_PATH=other))
+
+
+def test_the_sm90_knob_is_told_apart_where_both_knobs_name_one_file(tmp_path, monkeypatch):
+    """TRITON_PTXAS_PATH and TRITON_PTXAS_BLACKWELL_PATH may name the same ptxas (how Triton 3.9 runs with
+    the CUDA toolkit's): which knob sm_90 reads is then asked of get_ptxas itself, not read off the paths,
+    and the knobs are left as they were."""
+    from triton import knobs
+    from triton.backends.nvidia import compiler
+
+    same = _fake_ptxas(tmp_path / "cuda" / "bin", _bundled_plus(1))
+    monkeypatch.setenv("TRITON_PTXAS_PATH", same)
+    monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", same)
+    descriptors = dict(type(knobs.nvidia).__dict__)
+    import triton
+
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    checked = {(3, 6): "ptxas", (3, 9): "ptxas_blackwell"}  # the releases whose compiler was read (CI: 3.6)
+    if version in checked:
+        assert ptxas.sm90_knob() == checked[version]
+    monkeypatch.setattr(compiler, "get_ptxas",
+                        lambda arch: knobs.nvidia.ptxas_blackwell if arch >= 90 else knobs.nvidia.ptxas)
+    assert ptxas.sm90_knob() == "ptxas_blackwell" and ptxas.in_use().path == same
+    assert all(type(knobs.nvidia).__dict__[name] is descriptors[name] for name in ("ptxas", "ptxas_blackwell"))
+    assert knobs.nvidia.ptxas.path == same and knobs.nvidia.ptxas_blackwell.path == same

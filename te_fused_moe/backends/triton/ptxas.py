@@ -63,18 +63,26 @@ def probe(path: str) -> Optional[Ptxas]:
 
 
 def sm90_knob() -> str:
-    """The ``triton.knobs.nvidia`` attribute whose ptxas Triton's compiler runs for sm_90: the one its
-    ``get_ptxas(90)`` answers with (``ptxas`` in Triton 3.6, ``ptxas_blackwell`` from 3.9). Where both
-    name the same file, ``ptxas``."""
+    """The ``triton.knobs.nvidia`` attribute whose ptxas Triton's compiler runs for sm_90 (``ptxas`` in
+    Triton 3.6, ``ptxas_blackwell`` from 3.9): asked of its ``get_ptxas(90)`` with each knob's descriptor
+    briefly replaced by one that answers its own name. (Comparing the knobs' paths cannot tell them apart
+    where both name the same file, as TRITON_PTXAS_PATH and TRITON_PTXAS_BLACKWELL_PATH may.)"""
     from triton import knobs
     from triton.backends.nvidia import compiler
 
-    used = compiler.get_ptxas(90).path
-    for name in ("ptxas", "ptxas_blackwell"):
-        if name in type(knobs.nvidia).__dict__ and getattr(knobs.nvidia, name).path == used:
-            return name
-    raise RuntimeError(f"Triton compiles sm_90 with {used}, which neither knobs.nvidia.ptxas nor "
-                       f"knobs.nvidia.ptxas_blackwell names")
+    knob_type = type(knobs.nvidia)
+    names = [name for name in ("ptxas", "ptxas_blackwell") if name in knob_type.__dict__]
+    descriptors = {name: knob_type.__dict__[name] for name in names}
+    try:
+        for name in names:
+            setattr(knob_type, name, property(lambda _, name=name: name))
+        used = compiler.get_ptxas(90)
+    finally:
+        for name, descriptor in descriptors.items():
+            setattr(knob_type, name, descriptor)
+    if used not in names:
+        raise RuntimeError(f"Triton's get_ptxas(90) reads none of knobs.nvidia.{' / '.join(names)}")
+    return used
 
 
 def triton_env() -> str:
