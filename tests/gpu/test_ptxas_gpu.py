@@ -54,9 +54,12 @@ def _run(setting: str, path: str, seed: int) -> dict:
 def test_fp8_block_mlp_bitwise_the_same_under_either_ptxas(tmp_path, seed):
     from te_fused_moe.backends.triton import ptxas
 
-    found = ptxas.toolkit(os.environ)
-    if found is None or not found.interleaves_ffma:
-        pytest.skip(f"no CUDA toolkit ptxas >= 12.9 here (found {found}): nothing to compare")
+    # what TE_FUSED_MOE_PTXAS=toolkit would take: >= 12.9 and newer than Triton's own (Triton 3.9's
+    # ptxas-blackwell, 13.4, is newer than CUDA 13.0's)
+    found = ptxas.resolve({k: v for k, v in os.environ.items() if k != ptxas.triton_env()} | {ptxas.ENV: "auto"})
+    if found is None:
+        pytest.skip(f"no CUDA toolkit ptxas >= 12.9 and newer than Triton's {ptxas.triton_bundled().version} here "
+                    f"(found {ptxas.toolkit(os.environ)}): nothing to compare")
     ours = _run("triton", str(tmp_path / "triton.pt"), seed)
     toolkit = _run("toolkit", str(tmp_path / "toolkit.pt"), seed)
     assert ours["ptxas"][1] == ptxas.triton_bundled().version and toolkit["ptxas"][0] == found.path, \

@@ -18,8 +18,8 @@ PATH, on the PATH, then in ``/usr/local/cuda/bin``. The choice holds for the who
 has one ptxas per process, reads its version once and keys its kernel cache by it, so the choice is
 made when the Triton backend is imported (``apply``) and refused once Triton has compiled a kernel
 with another ptxas. It is written to the knob Triton's compiler reads for sm_90 (:func:`sm90_knob`:
-``TRITON_PTXAS_PATH`` up to Triton 3.8, ``TRITON_PTXAS_BLACKWELL_PATH`` from 3.9, whose ``get_ptxas``
-takes that one for every arch >= 90), so child processes inherit it.
+``TRITON_PTXAS_PATH`` in Triton 3.6, ``TRITON_PTXAS_BLACKWELL_PATH`` in 3.9, whose ``get_ptxas`` takes
+that one for every arch >= 90), so child processes inherit it.
 """
 
 from __future__ import annotations
