@@ -61,9 +61,10 @@ def summarize(rows: List[Dict[str, str]], top: int = 20, skip_idle: bool = True)
     total = sum(_count(r[SAMPLES]) for r in kept) or 1
     by_reason, by_opcode = collections.Counter(), collections.defaultdict(collections.Counter)
     for r in kept:
+        op = opcode(r["Source"])
         for reason in reasons:
             by_reason[reason[len("stall_"):]] += _count(r[reason])
-            by_opcode[opcode(r["Source"])][reason[len("stall_"):]] += _count(r[reason])
+            by_opcode[op][reason[len("stall_"):]] += _count(r[reason])
     hottest = sorted(kept, key=lambda r: -_count(r[SAMPLES]))[:top]
     return {
         "samples": total, "instructions": len(kept), "left_out": len(rows) - len(kept),

@@ -131,15 +131,22 @@ def test_no_switch_once_triton_has_read_a_version(tmp_path, monkeypatch):
     assert ptxas.triton_env() not in env
 
 
-def test_the_choice_goes_to_the_knob_triton_compiles_sm90_with(no_system_toolkit, tmp_path, monkeypatch):
-    """From Triton 3.9 the compiler's ``get_ptxas(arch)`` answers ``knobs.nvidia.ptxas_blackwell`` for every
-    arch >= 90 (Triton 3.6: ``knobs.nvidia.ptxas`` below 100). Simulated here on the installed Triton: the
-    choice must land on that knob and its variable, else sm_90 kept Triton's own ptxas under 3.9."""
+def _as_in_triton_3_9(monkeypatch):
+    """Triton 3.9's compiler on the installed Triton: ``get_ptxas(arch)`` answers
+    ``knobs.nvidia.ptxas_blackwell`` for every arch >= 90 (3.6: ``knobs.nvidia.ptxas`` below 100)."""
     from triton import knobs
     from triton.backends.nvidia import compiler
 
     monkeypatch.setattr(compiler, "get_ptxas",
                         lambda arch: knobs.nvidia.ptxas_blackwell if arch >= 90 else knobs.nvidia.ptxas)
+
+
+def test_the_choice_goes_to_the_knob_triton_compiles_sm90_with(no_system_toolkit, tmp_path, monkeypatch):
+    """Under Triton 3.9's compiler (:func:`_as_in_triton_3_9`) the choice must land on
+    ``knobs.nvidia.ptxas_blackwell`` and its variable, else sm_90 keeps Triton's own ptxas."""
+    from triton import knobs
+
+    _as_in_triton_3_9(monkeypatch)
     monkeypatch.setattr(ptxas, "_triton_has_read_a_ptxas_version", lambda: False)
     monkeypatch.delenv("TRITON_PTXAS_BLACKWELL_PATH", raising=False)  # restored after the test
     assert (ptxas.sm90_knob(), ptxas.triton_env()) == ("ptxas_blackwell", "TRITON_PTXAS_BLACKWELL_PATH")
@@ -161,21 +168,18 @@ def test_the_sm90_knob_is_told_apart_where_both_knobs_name_one_file(tmp_path, mo
     """TRITON_PTXAS_PATH and TRITON_PTXAS_BLACKWELL_PATH may name the same ptxas (how Triton 3.9 runs with
     the CUDA toolkit's): which knob sm_90 reads is then asked of get_ptxas itself, not read off the paths,
     and the knobs are left as they were."""
+    import triton
     from triton import knobs
-    from triton.backends.nvidia import compiler
 
     same = _fake_ptxas(tmp_path / "cuda" / "bin", _bundled_plus(1))
     monkeypatch.setenv("TRITON_PTXAS_PATH", same)
     monkeypatch.setenv("TRITON_PTXAS_BLACKWELL_PATH", same)
     descriptors = dict(type(knobs.nvidia).__dict__)
-    import triton
-
     version = tuple(int(part) for part in triton.__version__.split(".")[:2])
     checked = {(3, 6): "ptxas", (3, 9): "ptxas_blackwell"}  # the releases whose compiler was read (CI: 3.6)
     if version in checked:
         assert ptxas.sm90_knob() == checked[version]
-    monkeypatch.setattr(compiler, "get_ptxas",
-                        lambda arch: knobs.nvidia.ptxas_blackwell if arch >= 90 else knobs.nvidia.ptxas)
+    _as_in_triton_3_9(monkeypatch)
     assert ptxas.sm90_knob() == "ptxas_blackwell" and ptxas.in_use().path == same
     assert all(type(knobs.nvidia).__dict__[name] is descriptors[name] for name in ("ptxas", "ptxas_blackwell"))
     assert knobs.nvidia.ptxas.path == same and knobs.nvidia.ptxas_blackwell.path == same

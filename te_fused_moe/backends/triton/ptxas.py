@@ -85,11 +85,12 @@ def sm90_knob() -> str:
     return used
 
 
-def triton_env() -> str:
-    """The environment variable of :func:`sm90_knob` (``TRITON_PTXAS_PATH`` in Triton 3.6)."""
+def triton_env(knob: Optional[str] = None) -> str:
+    """The environment variable of ``knob`` (default :func:`sm90_knob`: ``TRITON_PTXAS_PATH`` in Triton
+    3.6)."""
     from triton import knobs
 
-    return type(knobs.nvidia).__dict__[sm90_knob()].key
+    return type(knobs.nvidia).__dict__[knob or sm90_knob()].key
 
 
 def triton_bundled() -> Ptxas:
@@ -188,7 +189,8 @@ def apply(environ: Optional[dict] = None) -> Optional[Ptxas]:
                            f"version: set {ENV} (or {triton_env()}) before the first Triton compile")
     from triton import knobs
 
-    setattr(knobs.nvidia, sm90_knob(), chosen.path)  # also sets its variable (triton_env) in os.environ
+    knob = sm90_knob()
+    setattr(knobs.nvidia, knob, chosen.path)  # also sets its variable (triton_env) in os.environ
     if environ is not os.environ:
-        environ[triton_env()] = chosen.path
+        environ[triton_env(knob)] = chosen.path
     return chosen

@@ -298,12 +298,13 @@ def _retire(ring, token, outstanding: gl.constexpr, j, NUM_STAGES: gl.constexpr,
     (its ``empty`` barrier, ``ring[7]``). Returns the partial product and the scales ([1, BLOCK_N] in
     its layout)."""
     done = warpgroup_mma_wait(num_outstanding=outstanding, deps=(token,))
+    stage = ring_slot(j, NUM_STAGES)[0]
     if OUTER:
-        cs = ring[6].index(ring_slot(j, NUM_STAGES)[0]).load(done.type.layout)
+        cs = ring[6].index(stage).load(done.type.layout)
     else:
         cs = 1.0
     G.thread_barrier()  # every warp of this consumer is past its wgmma on this stage before TMA overwrites it
-    mbarrier.arrive(ring[7].index(ring_slot(j, NUM_STAGES)[0]), count=1)
+    mbarrier.arrive(ring[7].index(stage), count=1)
     return done, cs
 
 
