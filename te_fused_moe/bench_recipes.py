@@ -685,6 +685,7 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
         if kernels and time.time() - start < budget_s:
             entry["kernels"] = {recipe: bench_kernels(recipe, shape, inputs, fp8_peak) for recipe in recipes}
             entry["weight_cache"] = weight_cache_report(inputs, recipes)
+            entry.update(_cublas_ceiling(entry, inputs, shape))
         report["shapes"][name] = entry
         del inputs, ys
         torch.cuda.empty_cache()
@@ -692,6 +693,48 @@ def run(shape_names: List[str], out_dir: Optional[str] = None, kernels: bool = T
     if out_dir:
         save(report, out_dir)
     return report
+
+
+def _cublas_ceiling(entry: Dict, inputs, shape: bench.Shape) -> Dict:
+    """``cublas_fp8``: the MLP's six GEMMs on cuBLAS FP8 with per-tensor scales at their shapes
+    (:mod:`.bench_ceiling`); ``with_cublas_gemms``: per fused recipe whose kernels were timed, its MLP
+    with cuBLAS's GEMM times in the place of its own (:func:`.bench_ceiling.mlp_model`)."""
+    from . import bench_ceiling
+
+    try:
+        cublas = bench_ceiling.measure(inputs["counts"].tolist(), shape.hidden, shape.ffn, inputs["w1"].shape[1])
+    except Exception as exc:  # recorded: the rest of the report stands
+        return {"cublas_fp8": {"error": f"{type(exc).__name__}: {exc}"}}
+    models = {}
+    for recipe, kernels in entry.get("kernels", {}).items():
+        fused, base = entry.get(f"{recipe}_fused", {}), entry.get("bf16_unfused", {})
+        if "fwd_bwd_ms" in fused and "fwd_bwd_ms" in base:
+            try:
+                models[recipe] = bench_ceiling.mlp_model(cublas, kernels, fused["fwd_bwd_ms"], base["fwd_bwd_ms"])
+            except ValueError as exc:  # a kernel of the six failed or is not timed for this recipe
+                models[recipe] = {"error": str(exc)}
+    return {"cublas_fp8": cublas, "with_cublas_gemms": models}
+
+
+def _ceiling_lines(e: Dict) -> List[str]:
+    cublas = e.get("cublas_fp8")
+    if not cublas:
+        return []
+    if "error" in cublas:
+        return [f"  cuBLAS FP8 at these GEMMs: failed: {cublas['error'][:150]}"]
+    total = sum(v["ms"] for v in cublas.values())
+    lines = ["  cuBLAS FP8, per-tensor scales, at these GEMMs: " + "; ".join(
+        f"{name} {v['ms']:.3f} ms {v['tflops']:.0f} TF/s" for name, v in cublas.items()) + f"; sum {total:.2f} ms"]
+    for recipe, m in e.get("with_cublas_gemms", {}).items():
+        if "error" in m:
+            lines.append(f"  {recipe}_fused with cuBLAS's GEMMs: {m['error'][:150]}")
+            continue
+        lines.append(
+            f"  {recipe}_fused: its GEMMs {m['ours_gemm_ms']:.2f} ms ({m['ours_gemm_ms'] / m['cublas_gemm_ms']:.2f}x "
+            f"cuBLAS's), the rest {m['rest_ms']:.2f} ms; with cuBLAS's GEMMs {m['with_cublas_gemms_ms']:.2f} ms = "
+            f"{m['with_cublas_gemms_speedup']:.2f}x bf16_unfused (now {m['fused_speedup']:.2f}x; cuBLAS's GEMMs "
+            f"alone {m['gemms_only_speedup']:.2f}x)")
+    return lines
 
 
 def summary_table(report: Dict) -> str:
@@ -730,6 +773,7 @@ def summary_table(report: Dict) -> str:
                              f"micro-batch (hit {w[recipe]['cache_hit_ms'] * 1e3:.1f} us)")
             lines.append("  saved for backward (GiB): " + ", ".join(
                 f"{k} {v / 2**30:.2f}" for k, v in w["saved_for_backward_bytes"].items()))
+        lines.extend(_ceiling_lines(e))
     return "\n".join(lines)
 
 
