@@ -63,10 +63,12 @@ def gemm_flops(shapes: List[Tuple[int, int, int]]) -> float:
     return float(sum(2 * m * n * k for m, n, k in shapes))
 
 
-def time_cublas_fp8(shapes: List[Tuple[int, int, int]], device="cuda") -> float:
+def time_cublas_fp8(shapes: List[Tuple[int, int, int]], fast_accum: bool = False, device="cuda") -> float:
     """Milliseconds of ``shapes``' GEMMs back to back on ``torch._scaled_mm`` (E4M3, per-tensor scales,
     BF16 out), each on its own random operands and output, as each expert's wgrad reads its own tokens
-    (shared ones would stay in L2 from one GEMM to the next)."""
+    (shared ones would stay in L2 from one GEMM to the next). ``fast_accum``: cuBLAS accumulates in the
+    tensor cores only, never promoting their partial sums to FP32 registers (less exact than any
+    recipe here: the ceiling of the tensor cores alone)."""
     from .bench import do_bench_ms
 
     def views(sizes):
@@ -84,16 +86,18 @@ def time_cublas_fp8(shapes: List[Tuple[int, int, int]], device="cuda") -> float:
 
     def run():
         for a, b, out in zip(lhs, rhs, outs):
-            torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, out=out)
+            torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, out=out,
+                             use_fast_accum=fast_accum)
 
     return do_bench_ms(run)
 
 
-def measure(counts: Sequence[int], hidden: int, ffn: int, n1: int) -> Dict[str, Dict[str, float]]:
-    """Each GEMM of :func:`gemm_shapes` on cuBLAS FP8: ms and TFLOP/s."""
+def measure(counts: Sequence[int], hidden: int, ffn: int, n1: int,
+            fast_accum: bool = False) -> Dict[str, Dict[str, float]]:
+    """Each GEMM of :func:`gemm_shapes` on cuBLAS FP8 (:func:`time_cublas_fp8`): ms and TFLOP/s."""
     out = {}
     for name, shapes in gemm_shapes(counts, hidden, ffn, n1).items():
-        ms = time_cublas_fp8(shapes)
+        ms = time_cublas_fp8(shapes, fast_accum)
         out[name] = {"ms": ms, "tflops": gemm_flops(shapes) / ms / 1e9, "gemms": len(shapes)}
         torch.cuda.empty_cache()
     return out
@@ -112,7 +116,8 @@ def mlp_model(cublas: Dict[str, Dict[str, float]], our_kernels: Dict[str, Dict[s
     missing = [name for name, ours in OUR_GEMM_KERNEL.items() if "ms" not in our_kernels.get(ours, {})
                or "ms" not in cublas.get(name, {})]
     if missing:
-        raise ValueError(f"our_kernels / cublas: no time for {missing}")
+        raise ValueError(f"our_kernels / cublas: no time for {missing} (a recipe whose kernel table times "
+                         f"no GEMM without its epilogue cannot be modelled)")
     ours = sum(our_kernels[OUR_GEMM_KERNEL[name]]["ms"] for name in OUR_GEMM_KERNEL)
     theirs = sum(cublas[name]["ms"] for name in OUR_GEMM_KERNEL)
     rest = fused_ms - ours

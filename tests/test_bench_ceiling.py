@@ -117,3 +117,5 @@ def test_cublas_times_every_gemm_of_a_ragged_routing():
     for name, v in out.items():
         assert v["ms"] > 0 and v["tflops"] > 0, name
     assert out["wgrad_w1"]["gemms"] == sum(1 for c in counts if c)
+    fast = C.measure(counts, 512, 256, 512, fast_accum=True)
+    assert all(fast[name]["ms"] > 0 for name in C.OUR_GEMM_KERNEL)
