@@ -1,10 +1,10 @@
 """What the expert MLP's GEMMs would cost on cuBLAS FP8 with per-tensor scales, at their own shapes.
 
-The recipe benchmark's "of FP8 peak" divides by cuBLAS at 8192^3, which understates how far a
-block-scaled GEMM is from the tensor cores' best at the MLP's own shapes (run 30: cuBLAS runs the
-FC1 shape 9-15% faster than 8192^3). Here each of the six GEMMs of one forward + backward is timed on
-``torch._scaled_mm`` (FP8 E4M3 operands, one scale per tensor, BF16 out) at the shape our kernel
-computes:
+The recipe benchmark's "of FP8 peak" divides by cuBLAS at one square shape (8192^3); the MLP's GEMMs
+have other shapes, and its wgrads are one short-K GEMM per expert (cuBLAS runs DSv3's at ~900 TFLOP/s
+against ~1270 for its token GEMMs, run 31). Here each of the six GEMMs of one forward + backward is
+timed on ``torch._scaled_mm`` (FP8 E4M3 operands, one scale per tensor, BF16 out) at the shape our
+kernel computes:
 
 - the token GEMMs (FC1, FC2, the dGLU's GEMM, FC1's dgrad) as one dense GEMM over all routed rows
   (grouping splits its M tiles at the experts' boundaries, which costs cuBLAS nothing here);
