@@ -34,13 +34,10 @@ OUR_GEMM_KERNEL = {
 CUBLAS_FP8_K_MULTIPLE = 16
 
 
-def gemm_shapes(counts: Sequence[int], hidden: int, ffn: int, n1: int,
-                per_expert_tokens: bool = False) -> Dict[str, List[Tuple[int, int, int]]]:
-    """The MLP's six GEMMs as lists of (M, N, K) that cuBLAS computes for them: for each token GEMM one
-    dense GEMM over the ``sum(counts)`` routed rows (``per_expert_tokens``: one per expert with
-    tokens, each reading its own weights as the grouped GEMM does), for each wgrad one per expert with
-    tokens (K rounded up to :data:`CUBLAS_FP8_K_MULTIPLE`). ``n1``: w1's rows (2 * ``ffn`` for gated
-    activations)."""
+def gemm_shapes(counts: Sequence[int], hidden: int, ffn: int, n1: int) -> Dict[str, List[Tuple[int, int, int]]]:
+    """The MLP's six GEMMs as lists of (M, N, K) that cuBLAS computes for them: one dense GEMM over
+    the ``sum(counts)`` routed rows for each token GEMM, one per expert with tokens for each wgrad (K
+    rounded up to :data:`CUBLAS_FP8_K_MULTIPLE`). ``n1``: w1's rows (2 * ``ffn`` for gated activations)."""
     counts = [int(c) for c in counts]
     if any(c < 0 for c in counts):
         raise ValueError(f"counts: expected tokens per expert >= 0, got {counts}")
@@ -52,12 +49,11 @@ def gemm_shapes(counts: Sequence[int], hidden: int, ffn: int, n1: int,
     if routed == 0:
         raise ValueError("counts: no routed tokens, nothing to time")
     per_expert_k = [-(-c // CUBLAS_FP8_K_MULTIPLE) * CUBLAS_FP8_K_MULTIPLE for c in counts if c]
-    rows = [c for c in counts if c] if per_expert_tokens else [routed]
     return {
-        "fc1": [(m, n1, hidden) for m in rows],         # h = x w1^T
-        "fc2": [(m, hidden, ffn) for m in rows],        # y = a w2^T
-        "dglu_gemm": [(m, ffn, hidden) for m in rows],  # da = dy w2
-        "fc1_dgrad": [(m, hidden, n1) for m in rows],   # dx = dh w1
+        "fc1": [(routed, n1, hidden)],              # h = x w1^T
+        "fc2": [(routed, hidden, ffn)],             # y = a w2^T
+        "dglu_gemm": [(routed, ffn, hidden)],       # da = dy w2
+        "fc1_dgrad": [(routed, hidden, n1)],        # dx = dh w1
         "wgrad_w2": [(hidden, ffn, k) for k in per_expert_k],  # dw2[e] = dy_e^T a_e
         "wgrad_w1": [(n1, hidden, k) for k in per_expert_k],   # dw1[e] = dh_e^T x_e
     }
@@ -96,40 +92,12 @@ def time_cublas_fp8(shapes: List[Tuple[int, int, int]], fast_accum: bool = False
     return do_bench_ms(run)
 
 
-def time_scaled_grouped_mm(name: str, counts: Sequence[int], shapes: List[Tuple[int, int, int]],
-                           device="cuda") -> float:
-    """Milliseconds of GEMM ``name`` of :func:`gemm_shapes` as one ``torch._scaled_grouped_mm`` (PyTorch's
-    grouped FP8 GEMM for MoE: E4M3, a scale per row of A and per column of B applied after the K loop,
-    BF16 out): a token GEMM grouped by expert over the routed rows (``shapes`` its dense one), a wgrad
-    grouped along K, each expert's tokens padded to 16 (``shapes`` per expert)."""
-    from .bench import do_bench_ms
-
-    fp8 = lambda *size: torch.randn(*size, device=device).to(torch.float8_e4m3fn)
-    scales = lambda *size: torch.rand(*size, device=device) + 0.5
-    with_tokens = [c for c in counts if c]
-    if name.startswith("wgrad"):
-        m, n = shapes[0][:2]
-        offs = torch.tensor([k for _, _, k in shapes], device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        a, b = fp8(m, sum(k for _, _, k in shapes)), fp8(n, sum(k for _, _, k in shapes))  # both K-major: [M, K] and, transposed, [K, N] column-major
-        args = (a, b.t(), scales(len(shapes) * m), scales(len(shapes) * n))
-    else:
-        (routed, n, k), = shapes
-        offs = torch.tensor(with_tokens, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        a, b = fp8(routed, k), fp8(len(with_tokens), n, k)
-        args = (a, b.transpose(1, 2), scales(routed), scales(len(with_tokens), n))
-    return do_bench_ms(lambda: torch._scaled_grouped_mm(*args, offs=offs, out_dtype=torch.bfloat16))
-
-
-def measure(counts: Sequence[int], hidden: int, ffn: int, n1: int, fast_accum: bool = False,
-            per_expert_tokens: bool = False, grouped: bool = False) -> Dict[str, Dict[str, float]]:
-    """Each GEMM of :func:`gemm_shapes` on cuBLAS FP8 (:func:`time_cublas_fp8`; ``grouped``: on
-    ``torch._scaled_grouped_mm`` instead, :func:`time_scaled_grouped_mm`): ms and TFLOP/s."""
+def measure(counts: Sequence[int], hidden: int, ffn: int, n1: int,
+            fast_accum: bool = False) -> Dict[str, Dict[str, float]]:
+    """Each GEMM of :func:`gemm_shapes` on cuBLAS FP8 (:func:`time_cublas_fp8`): ms and TFLOP/s."""
     out = {}
-    for name, shapes in gemm_shapes(counts, hidden, ffn, n1, per_expert_tokens and not grouped).items():
-        if grouped:
-            ms = time_scaled_grouped_mm(name, counts, shapes)
-        else:
-            ms = time_cublas_fp8(shapes, fast_accum)
+    for name, shapes in gemm_shapes(counts, hidden, ffn, n1).items():
+        ms = time_cublas_fp8(shapes, fast_accum)
         out[name] = {"ms": ms, "tflops": gemm_flops(shapes) / ms / 1e9, "gemms": len(shapes)}
         torch.cuda.empty_cache()
     return out

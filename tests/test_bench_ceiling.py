@@ -35,18 +35,6 @@ def test_shapes_cover_the_mlps_flops_and_each_expert_with_tokens():
     assert shapes["fc1_dgrad"] == [(routed, shape.hidden, 2 * shape.ffn)]
 
 
-def test_token_gemms_per_expert_have_the_same_flops():
-    rng = random.Random()
-    counts = _random_counts(rng, 7, multiple=16)
-    dense = C.gemm_shapes(counts, 512, 256, 512)
-    per_expert = C.gemm_shapes(counts, 512, 256, 512, per_expert_tokens=True)
-    for name in ("fc1", "fc2", "dglu_gemm", "fc1_dgrad"):
-        assert [m for m, _, _ in per_expert[name]] == [c for c in counts if c]
-        assert {(n, k) for _, n, k in per_expert[name]} == {dense[name][0][1:]}
-        assert C.gemm_flops(per_expert[name]) == C.gemm_flops(dense[name])
-    assert per_expert["wgrad_w1"] == dense["wgrad_w1"] and per_expert["wgrad_w2"] == dense["wgrad_w2"]
-
-
 def test_wgrad_k_rounds_up_to_cublas_minimum():
     rng = random.Random()
     counts = _random_counts(rng, 6)
@@ -129,6 +117,5 @@ def test_cublas_times_every_gemm_of_a_ragged_routing():
     for name, v in out.items():
         assert v["ms"] > 0 and v["tflops"] > 0, name
     assert out["wgrad_w1"]["gemms"] == sum(1 for c in counts if c)
-    for kw in (dict(fast_accum=True), dict(per_expert_tokens=True), dict(grouped=True)):
-        other = C.measure(counts, 512, 256, 512, **kw)
-        assert all(other[name]["ms"] > 0 for name in C.OUR_GEMM_KERNEL), kw
+    fast = C.measure(counts, 512, 256, 512, fast_accum=True)
+    assert all(fast[name]["ms"] > 0 for name in C.OUR_GEMM_KERNEL)
