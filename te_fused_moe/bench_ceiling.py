@@ -111,7 +111,8 @@ def mlp_model(cublas: Dict[str, Dict[str, float]], our_kernels: Dict[str, Dict[s
     - ``ours_gemm_ms`` / ``cublas_gemm_ms``: the six GEMMs, ours and cuBLAS's;
     - ``rest_ms``: ``fused_ms`` less our GEMMs (quantize passes, epilogues, whatever runs between);
     - ``with_cublas_gemms_ms``: ``rest_ms`` + cuBLAS's GEMMs, and its speedup over ``baseline_ms``;
-    - ``gemms_only_speedup``: ``baseline_ms`` over cuBLAS's GEMMs alone (nothing else costing time).
+    - ``gemms_only_speedup``: ``baseline_ms`` over cuBLAS's GEMMs alone (nothing else costing time);
+    - ``fused_speedup``: ``baseline_ms`` over ``fused_ms``, as measured.
     """
     missing = [name for name, ours in OUR_GEMM_KERNEL.items() if "ms" not in our_kernels.get(ours, {})
                or "ms" not in cublas.get(name, {})]
