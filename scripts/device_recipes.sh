@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [dglu_bench] [prefetch_bench] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [dglu_bench] [prefetch_bench] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -12,6 +12,8 @@
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
+# mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
+# values (mxfp8.autograd.BF16_WEIGHT_VALUES), interleaved rounds, no kernel table.
 # dglu_bench: FP8 block's one-pass dGLU alone at GPT-OSS (scripts/bench_dglu_rows.py: both launch orders,
 # the passes it replaces).
 # nvfp4_bench: NVFP4 fused vs BF16 unfused at DSv3 with its kernels (the quantize passes with and without
@@ -72,6 +74,10 @@ for s in $STEPS; do
                     step recipes_prefetch "${PREFETCH_BENCH_TIMEOUT:-200}" python scripts/bench_recipes.py \
                       --recipes fp8_block --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
                       --implementations fp8_block_fused,fp8_block_fused_no_tile_prefetch --out "$OUT/recipes_prefetch";;
+    mxfp8_weights_bench) step recipes_mxfp8_bf16_weights "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
+                           --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
+                           mxfp8_fused,mxfp8_unfused,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights \
+                           --out "$OUT/recipes_mxfp8_bf16_weights";;
     mxfp8_bench) step recipes_mxfp8 "${MXFP8_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes mxfp8 \
                    --shapes dsv3-e32 --out "$OUT/recipes_mxfp8";;
   esac

@@ -55,10 +55,9 @@ def recipe_kernels(recipe: str):
 
         return KERNELS, FP8Spec()
     if recipe == "mxfp8":
-        from .backends.triton.mxfp8.autograd import KERNELS
-        from .backends.triton.mxfp8.quantize import MXSpec
+        from .backends.triton.mxfp8.autograd import KERNELS, specs_of
 
-        return KERNELS, MXSpec()
+        return KERNELS, specs_of(MXFP8BlockScaling())[0]
     if recipe == "nvfp4":
         from .backends.triton.nvfp4.autograd import KERNELS, specs_of
 
@@ -76,6 +75,7 @@ class BlockScaledUnfused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, counts, w1, w2, activation, recipe):
+        from .backends.triton.block_scaled import read_weight
         from .backends.triton.padded import padded_size
         from .backends.triton.schedule import build_schedule
 
@@ -91,12 +91,12 @@ class BlockScaledUnfused(torch.autograd.Function):
         w2q = k.weight_cache.get(w2, spec, padded_to=(E, H_p, F_p) if (H_p, F_p) != (H, F) else None)
         xq = k.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, width=H_p)
         h = torch.empty(T, n1_p, device=x.device, dtype=x.dtype)
-        k.gemm.launch("fc2", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, n1_p, sched, E,
+        k.gemm.launch("fc2", read(xq.data, xq.scale), xq.scale, read_weight(read, w1q), w1q.scale, n1_p, sched, E,
                       spec, c=h)
         a = act.forward(h[:, :n1].float()).to(x.dtype)
         aq = k.quantize_rows(a, sched, E, spec, rowwise=True, colwise=True, width=F_p)
         y = torch.empty(T, H, device=x.device, dtype=x.dtype)
-        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, H, sched, E,
+        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read_weight(read, w2q), w2q.scale, H, sched, E,
                       spec, c=y)
         ctx.save_for_backward(h, w1, w2)
         ctx.state = (k, read, sched, w1q, w2q, xq, aq, act, spec)
@@ -104,6 +104,7 @@ class BlockScaledUnfused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        from .backends.triton.block_scaled import read_weight
         from .backends.triton.padded import padded_size
 
         h, w1, w2 = ctx.saved_tensors
@@ -115,12 +116,12 @@ class BlockScaledUnfused(torch.autograd.Function):
         F = w2.shape[2]
         dyq = k.quantize_rows(dy, sched, E, spec, rowwise=True, colwise=True, width=padded_size(H, k.tile))
         da = torch.empty(T, F, device=dy.device, dtype=dy.dtype)
-        k.gemm.launch("dgrad", read(dyq.data, dyq.scale), dyq.scale, read(w2q.data_t, w2q.scale_t), w2q.scale_t, F,
+        k.gemm.launch("dgrad", read(dyq.data, dyq.scale), dyq.scale, read_weight(read, w2q, True), w2q.scale_t, F,
                       sched, E, spec, c=da)
         dh = act.backward(h[:, :n1].float(), da.float()).to(dy.dtype)
         dhq = k.quantize_rows(dh, sched, E, spec, rowwise=True, colwise=True, width=h.shape[1])
         dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
-        k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(w1q.data_t, w1q.scale_t), w1q.scale_t, H,
+        k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read_weight(read, w1q, True), w1q.scale_t, H,
                       sched, E, spec, c=dx)
         dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
         k.grouped_wgrad(cols(dyq), cols(aq), sched, dw2)
@@ -253,10 +254,12 @@ def _call_under(module_name: str, flags: Dict, fn):
         return fn()
 
 
-def _fused_under(recipe: str, **module_flags: Dict):
-    """The fused path with flags of modules ``backends.triton.<recipe>.<module>`` (``module=dict(...)``)
-    set while it is timed, forward and backward (``bench_impl`` enters ``run.context``)."""
-    run = _fused(recipe)
+def _fused_under(recipe: str, _path=_fused, **module_flags: Dict):
+    """The fused path (``_path``: or another of ``recipe``'s) with flags of modules
+    ``backends.triton.<recipe>.<module>`` (``module=dict(...)``) set while it is timed, forward and
+    backward (``bench_impl`` enters ``run.context``)."""
+    base = _path(recipe)
+    run = lambda *args: base(*args)  # its own object: the context must not stick to a shared one
     run.context = lambda: _recipe_module_flags(recipe, module_flags)
     return run
 
@@ -294,7 +297,12 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "mxfp8_fused_fp32_dglu_input": _fused_under("mxfp8", gemm=FP32_EPILOGUE_INPUT),
                       # at an FFN size off the tile (gpt-oss): FC1 as GEMM + GLU pass + quantize pass
-                      "mxfp8_fused_fc1_passes": _fused_under("mxfp8", autograd=dict(FC1_OFF_TILE=False))},
+                      "mxfp8_fused_fc1_passes": _fused_under("mxfp8", autograd=dict(FC1_OFF_TILE=False)),
+                      # the weight cache keeping BF16 values (no weight expansion per micro-batch), fused
+                      # and unfused alike: the cache is not what fusion changes
+                      "mxfp8_fused_bf16_weights": _fused_under("mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True)),
+                      "mxfp8_unfused_bf16_weights": _fused_under("mxfp8", _unfused,
+                                                                 autograd=dict(BF16_WEIGHT_VALUES=True))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

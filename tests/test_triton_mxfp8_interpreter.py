@@ -67,6 +67,9 @@ MLP_CASES = [
     # the GEMMs expanding FP8 operands in their K loops (autograd.EXPAND_BEFORE_GEMM off), TMA and pointers
     ("swiglu-empty-pad-kloop", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-kloop", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
+    # the weight cache keeping the weights' BF16 values, which the GEMMs read (autograd.BF16_WEIGHT_VALUES)
+    ("gptoss-zipf-hybrid-bf16w", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, True, (), "HYBRID"),
+    ("padded-swiglu-bf16w", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
@@ -262,6 +265,72 @@ def check_weight_cache(device: str) -> dict:
     out["refreshed_after_step"] = after_step is not fresh and _diff8(after_step.data[1], rw.data) == 0
     out["hit_after_step"] = cache.get(w, spec) is after_step
     cache._hook.remove()
+    out.update(check_weight_values(device, w.detach()))
+    return out
+
+
+def check_weight_values(device: str, w: torch.Tensor) -> dict:
+    """With ``bf16_values`` the cache's entry also holds both layouts' BF16 values: bit-equal to the
+    reference's dequantized FP8 values (code times E8M0 scale, exact in BF16), the FP8 copies as without
+    it, and the values counted in ``nbytes``; a spec without it is another entry."""
+    import dataclasses
+
+    from te_fused_moe.backends.triton.fp8_block.quantize import WeightCache
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec, quantize_weight
+    from te_fused_moe.quantize import mxfp8 as ref
+
+    cache = WeightCache(follow_optimizer_steps=False, quantize_fn=quantize_weight)
+    spec = MXSpec()
+    with_values = cache.get(w, dataclasses.replace(spec, bf16_values=True))
+    bad = dict(values=0, values_t=0, data=0)
+    for e in range(w.shape[0]):
+        along_k, along_n = ref.quantize(w[e].cpu(), axis=1), ref.quantize(w[e].cpu(), axis=0)
+        bad["values"] += _diff8(with_values.values[e].float(), ref.dequantize(along_k).float())
+        bad["values_t"] += _diff8(with_values.values_t[e].T.float(), ref.dequantize(along_n).float())
+        bad["data"] += _diff8(with_values.data[e], along_k.data)
+    without = cache.get(w, spec)
+    return dict(values_bad=bad, values_dtype=str(with_values.values.dtype),
+                values_nbytes=with_values.nbytes, values_expected_nbytes=2 * w.numel() * 3 + 2 * w.numel() // 32,
+                plain_entry_has_no_values=without is not with_values and without.values is None)
+
+
+def check_weight_reads(device: str) -> dict:
+    """How many weight expansions (3-D operands through the reader) the second of two forward +
+    backward passes runs: with ``BF16_WEIGHT_VALUES`` none (the GEMMs read the cache's values), without
+    it four (w1 and w2 forward, their transposed copies backward). Also the two passes' dx, the same
+    bits either way (the values are the same numbers)."""
+    from moe_reference import random_problem
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton.mxfp8 import autograd
+    from te_fused_moe.recipes import MXFP8BlockScaling
+
+    p = random_problem(256, 128, 128, 2, dtype=torch.bfloat16, device=device, seed=11)
+    dy = torch.randn(256, 128, generator=torch.Generator().manual_seed(12)).to(device=device, dtype=torch.bfloat16)
+    shipped_expand, shipped_flag = autograd.expand_values, autograd.BF16_WEIGHT_VALUES
+    dims = []
+
+    def spy(data, scale, alloc=torch.empty):
+        dims.append(data.dim())
+        return shipped_expand(data, scale, alloc=alloc)
+
+    out = {}
+    autograd.expand_values = spy
+    try:
+        for flag in (True, False):
+            autograd.BF16_WEIGHT_VALUES = flag
+            for _ in range(2):
+                dims.clear()
+                x = p["x"].clone().requires_grad_()
+                y = fused_moe_mlp(x, p["tokens_per_expert"], p["w1"], p["w2"], activation="swiglu",
+                                  recipe=MXFP8BlockScaling(), backend="triton")
+                y.backward(dy)
+            out[f"weight_expansions_{flag}"] = dims.count(3)
+            out[f"activation_expansions_{flag}"] = dims.count(2)
+            out[f"dx_{flag}"] = x.grad.float().cpu()
+    finally:
+        autograd.expand_values, autograd.BF16_WEIGHT_VALUES = shipped_expand, shipped_flag
+    out["dx_bad"] = _diff8(out.pop("dx_True"), out.pop("dx_False"))
     return out
 
 
@@ -419,11 +488,12 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
     dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if case_id.endswith("-sepdglu") else "fused"
+    values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, case_id.endswith("-bf16w")
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
-        autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE = default, dglu
+        autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
 
@@ -520,6 +590,7 @@ def _worker() -> None:
         "codec": check_codec("cpu"),
         "quantize": check_quantize_kernels("cpu"),
         "cache": check_weight_cache("cpu"),
+        "weight_reads": check_weight_reads("cpu"),
         "exact": check_kernels_exact("cpu"),
         "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
         "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
@@ -593,6 +664,17 @@ def test_weight_cache_refreshes_once_per_step(results):
     assert c["refreshed"] and c["misses_after"] == 2 and c["fresh_bad"] == 0, c
     assert c["nbytes"] == c["expected_nbytes"], c
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
+    assert all(v == 0 for v in c["values_bad"].values()) and c["values_dtype"] == "torch.bfloat16", c
+    assert c["values_nbytes"] == c["values_expected_nbytes"] and c["plain_entry_has_no_values"], c
+
+
+def test_cached_weight_values_replace_the_expansions(results):
+    assert_weight_reads(results["weight_reads"])
+
+
+def assert_weight_reads(r: dict) -> None:
+    assert r["weight_expansions_True"] == 0 and r["weight_expansions_False"] == 4, r
+    assert r["activation_expansions_True"] == r["activation_expansions_False"] > 0 and r["dx_bad"] == 0, r
 
 
 @pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand",

@@ -54,6 +54,12 @@ def test_weight_cache_on_gpu():
     assert c["same_object"] and c["misses_before"] == 1 and c["refreshed"] and c["misses_after"] == 2, c
     assert c["fresh_bad"] == 0 and c["nbytes"] == c["expected_nbytes"], c
     assert c["stale_without_step"] and c["refreshed_after_step"] and c["hit_after_step"], c
+    assert all(v == 0 for v in c["values_bad"].values()) and c["values_dtype"] == "torch.bfloat16", c
+    assert c["values_nbytes"] == c["values_expected_nbytes"] and c["plain_entry_has_no_values"], c
+
+
+def test_cached_weight_values_replace_the_expansions_gpu():
+    checks.assert_weight_reads(checks.check_weight_reads("cuda"))
 
 
 def test_separate_dglu_reads_bf16_da_exactly_gpu():
@@ -111,6 +117,9 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     ("swiglu-zipf-hbf16-hybrid", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (), "HYBRID"),
     # the GEMMs expanding FP8 operands in their K loops (autograd.EXPAND_BEFORE_GEMM off)
     ("swiglu-balanced-kloop", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
+    # the weight cache keeping the weights' BF16 values (autograd.BF16_WEIGHT_VALUES), padded and not
+    ("swiglu-zipf-hybrid-bf16w", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
+    ("gptoss-2880-padded-bf16w", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (), "E4M3"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)
     ("gptoss-2880-padded", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), "E4M3"),
 ]

@@ -111,6 +111,16 @@ def as_quantized(data: torch.Tensor, scale: torch.Tensor, columnwise: bool = Fal
     return data
 
 
+def read_weight(read: Callable, w, transposed: bool = False) -> torch.Tensor:
+    """The quantized weight ``w`` (``transposed``: its ``data_t`` copy, the dgrad's) as the next GEMM reads
+    it: the BF16 values the weight cache keeps where it keeps them and ``read`` reads values (MXFP8's
+    ``BF16_WEIGHT_VALUES``), else through ``read``."""
+    values = getattr(w, "values_t" if transposed else "values", None)
+    if values is not None and read is not as_quantized:
+        return values
+    return read(w.data_t, w.scale_t) if transposed else read(w.data, w.scale)
+
+
 def new_buffer(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """A kernel buffer from ``ALLOC`` (read at call time: tests poison buffers) on ``like``'s device."""
     return ALLOC(shape, device=like.device, dtype=dtype or like.dtype)
@@ -188,10 +198,10 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=ALLOC)
         h = new_buffer((num_rows, n1), x, H_DTYPE or x.dtype)
         aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC)
-        k.gemm.launch("fc1", read(xq.data, xq.scale), xq.scale, read(w1q.data, w1q.scale), w1q.scale, ffn, schedule,
+        k.gemm.launch("fc1", read(xq.data, xq.scale), xq.scale, read_weight(read, w1q), w1q.scale, ffn, schedule,
                       num_experts, spec, q=aq, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn,
                       probs=probs, **act)
-        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, hidden,
+        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read_weight(read, w2q), w2q.scale, hidden,
                       schedule, num_experts, spec, c=y, bias=b2)
         keep_for_backward(ctx, x, w1, w2, probs, h, schedule, w1q, w2q)
         keep_columnwise(ctx, k, xq, aq)
@@ -223,7 +233,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
             cfg = k.gemm.default_config("dact", read is not as_quantized)
             dprob_buf = new_buffer((triton.cdiv(ffn, cfg.block_n), num_rows), like, torch.float32) if want_dprob else None
             dbias_buf = new_buffer((m_tiles, n1), like, torch.float32) if need[4] else None
-            k.gemm.launch("dact", read(dyq.data, dyq.scale), dyq.scale, read(ctx.w2q.data_t, ctx.w2q.scale_t),
+            k.gemm.launch("dact", read(dyq.data, dyq.scale), dyq.scale, read_weight(read, ctx.w2q, True),
                           ctx.w2q.scale_t, ffn, schedule, num_experts, spec, q=dhq, q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob_buf,
                           dbias=dbias_buf, config=cfg, **ctx.act)
             if want_dprob:
@@ -232,7 +242,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
                 db1 = expert_sums(k.tile_sums_to_experts, dbias_buf, schedule, num_experts, like)
         if need[0]:
             dx = new_buffer((num_rows, hidden), like)
-            k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(ctx.w1q.data_t, ctx.w1q.scale_t),
+            k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read_weight(read, ctx.w1q, True),
                           ctx.w1q.scale_t, hidden, schedule, num_experts, spec, c=dx)
         if need[3]:
             dw2 = new_buffer(w2.shape, w2)

@@ -48,7 +48,7 @@ import torch
 
 from . import block_scaled
 from .block_scaled import (backward_needs, empty_input_grads, expert_sums, keep_columnwise, keep_for_backward,
-                           mlp_sizes, new_buffer, wgrad_operand)
+                           mlp_sizes, new_buffer, read_weight, wgrad_operand)
 from .glu_rows import glu_backward, glu_forward
 from .schedule import build_schedule, max_m_tiles
 
@@ -87,7 +87,7 @@ class PaddedExpertMLP(torch.autograd.Function):
         xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=alloc,
                              width=hidden_p)
         h = new_buffer((num_rows, n1_p), x, block_scaled.H_DTYPE or x.dtype)
-        x_op, w1_op, b1_p = read(xq.data, xq.scale), read(w1q.data, w1q.scale), zero_padded(b1, (num_experts, n1_p))
+        x_op, w1_op, b1_p = read(xq.data, xq.scale), read_weight(read, w1q), zero_padded(b1, (num_experts, n1_p))
         if k.fc1_off_tile():
             aq = k.new_rows(num_rows, ffn_p, x, spec, num_experts, True, need[3], alloc)
             k.gemm.launch("fc1", x_op, xq.scale, w1_op, w1q.scale, ffn, schedule, num_experts, spec, q=aq, h=h,
@@ -98,7 +98,7 @@ class PaddedExpertMLP(torch.autograd.Function):
             aq = k.quantize_rows(a, schedule, num_experts, spec, rowwise=True, colwise=need[3], alloc=alloc)
             del a
         y = new_buffer((num_rows, hidden), x)
-        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, hidden,
+        k.gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read_weight(read, w2q), w2q.scale, hidden,
                       schedule, num_experts, spec, c=y, bias=zero_padded(b2, (num_experts, hidden_p)))
         keep_for_backward(ctx, x, w1, w2, probs, h, schedule, w1q, w2q)
         keep_columnwise(ctx, k, xq, aq)
@@ -124,7 +124,7 @@ class PaddedExpertMLP(torch.autograd.Function):
         if need_dact:
             # da in the dtype the tile-aligned path's separate dGLU epilogue reads it in
             da = new_buffer((num_rows, ffn_p), w1, k.gemm.EPILOGUE_INPUT_DTYPE or h.dtype)
-            k.gemm.launch("fc2", read(dyq.data, dyq.scale), dyq.scale, read(ctx.w2q.data_t, ctx.w2q.scale_t),
+            k.gemm.launch("fc2", read(dyq.data, dyq.scale), dyq.scale, read_weight(read, ctx.w2q, True),
                           ctx.w2q.scale_t, ffn_p, schedule, num_experts, spec, c=da)
             db1_parts = new_buffer((m_tiles, n1_p), w1, torch.float32) if need[4] else None
             dglu_quantized = k.dglu_off_tile()
@@ -143,7 +143,7 @@ class PaddedExpertMLP(torch.autograd.Function):
                 db1 = expert_sums(k.tile_sums_to_experts, db1_parts, schedule, num_experts, w1)[:, :n1]
         if need[0]:
             dx = new_buffer((num_rows, hidden), w1)
-            k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(ctx.w1q.data_t, ctx.w1q.scale_t),
+            k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read_weight(read, ctx.w1q, True),
                           ctx.w1q.scale_t, hidden, schedule, num_experts, spec, c=dx)
         if need[3]:
             dw2 = new_buffer((num_experts, hidden, ffn), w2)

@@ -10,6 +10,7 @@ expanded just before it (``EXPAND_BEFORE_GEMM``) or expands them in its K loop.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from .. import block_scaled
@@ -25,6 +26,11 @@ from .wgrad import mx_grouped_wgrad
 # FP8). False: the GEMMs expand the FP8 tiles in their K loops (``gemm.default_config``), which on
 # the H200 bounds them at 150-280 TFLOP/s (run 13).
 EXPAND_BEFORE_GEMM = True
+# The weight cache also keeps the weights' BF16 values (both layouts, refreshed with the FP8 copies once
+# per optimizer step), which the GEMMs then read instead of expanding the weights per micro-batch: at
+# DSv3 E = 32 that expansion is 3.2 ms of each forward + backward (run 31). Costs twice the BF16
+# weights' bytes on top of the FP8 copies, so it is opt-in (as ``nvfp4.autograd.BF16_WEIGHT_VALUES``).
+BF16_WEIGHT_VALUES = False
 # FC1 at an FFN size off the tile (padded.py): True = its one kernel (weight scales per row, so the up
 # half may start at any row of w1); False = the plain GEMM + GLU pass + quantize pass (before session 21)
 FC1_OFF_TILE = True
@@ -42,8 +48,11 @@ def operand_reader():
 
 
 def specs_of(recipe):
-    """The kernels' element specs (x/a/weights, gradients) of an MXFP8BlockScaling recipe."""
-    return MXSpec.of(recipe.fp8_format.for_role("x")), MXSpec.of(recipe.fp8_format.for_role("grad"))
+    """The kernels' element specs (x/a/weights, gradients) of an MXFP8BlockScaling recipe; the first
+    carries ``BF16_WEIGHT_VALUES`` for the weight cache (the quantize kernels ignore it)."""
+    x_spec = dataclasses.replace(MXSpec.of(recipe.fp8_format.for_role("x")),
+                                 bf16_values=BF16_WEIGHT_VALUES and EXPAND_BEFORE_GEMM)
+    return x_spec, MXSpec.of(recipe.fp8_format.for_role("grad"))
 
 
 def supports_mxfp8(recipe) -> Optional[str]:

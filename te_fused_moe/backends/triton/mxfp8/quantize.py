@@ -47,12 +47,16 @@ QUANT_COLS = 64
 
 @dataclasses.dataclass(frozen=True)
 class MXSpec:
-    """An FP8 element format as the kernels' constexprs (``MAX_NORM_RCP``: FP32 1/max, TE's constant)."""
+    """An FP8 element format as the kernels' constexprs (``MAX_NORM_RCP``: FP32 1/max, TE's constant).
+    ``bf16_values`` (weights only; not a kernel constexpr): the weight cache also keeps each copy's
+    exact BF16 values (code times E8M0 scale), which GEMMs reading values then take instead of
+    expanding the FP8 weights per micro-batch (twice the BF16 weights' bytes, see ``autograd``)."""
 
     torch_dtype: torch.dtype = torch.float8_e4m3fn
     mant: int = 3
     bias: int = 7
     max_value: float = 448.0
+    bf16_values: bool = False
 
     @staticmethod
     def of(fmt: str) -> "MXSpec":
@@ -266,11 +270,14 @@ class MXWeight:
     scale: torch.Tensor  # [E, N, K/32] uint8 (block-major storage)
     data_t: Optional[torch.Tensor]  # [E, K, N] fp8, 1x32 along N
     scale_t: Optional[torch.Tensor]  # [E, K, N/32] uint8 (block-major storage)
+    # exact BF16 values of data / data_t, kept where the spec asks (``MXSpec.bf16_values``)
+    values: Optional[torch.Tensor] = None  # [E, N, K] bf16
+    values_t: Optional[torch.Tensor] = None  # [E, K, N] bf16
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.data_t, self.scale, self.scale_t)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.data_t, self.scale, self.scale_t,
+                                                           self.values, self.values_t) if t is not None)
 
 
 def quantize_weight(w: torch.Tensor, spec: MXSpec, *, transposed: bool = True, alloc=torch.empty) -> MXWeight:
@@ -293,7 +300,11 @@ def quantize_weight(w: torch.Tensor, spec: MXSpec, *, transposed: bool = True, a
             n, k, **spec.constexprs(), TRANSPOSED=transposed, BLK=TILE,
             num_warps=4 if interpreting() else 8,
         )
-    return MXWeight(data, scale, data_t, scale_t)
+    q = MXWeight(data, scale, data_t, scale_t)
+    if spec.bf16_values:
+        q.values = expand_values(data, scale, alloc=alloc)
+        q.values_t = expand_values(data_t, scale_t, alloc=alloc) if transposed else None
+    return q
 
 
 @triton.jit
