@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [dglu_bench] [prefetch_bench] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -12,6 +12,8 @@
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
+# plain_probe: the plain FP8 block GEMM at DSv3's four token GEMM shapes as it ships, with its promotion an FADD,
+# and with no promotion (one wgmma chain), against cuBLAS FP8 (scripts/probe_plain.py).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
 # values (mxfp8.autograd.BF16_WEIGHT_VALUES), interleaved rounds, no kernel table.
 # dglu_bench: FP8 block's one-pass dGLU alone at GPT-OSS (scripts/bench_dglu_rows.py: both launch orders,
@@ -50,6 +52,7 @@ for s in $STEPS; do
                    tests/gpu --ignore=tests/gpu/test_triton_fp8_block_gpu.py --ignore=tests/gpu/test_triton_mxfp8_gpu.py;;
     fp8_bench) step recipes_fp8_block "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
                  --shapes dsv3-e32 --rounds "${ROUNDS:-3}" --out "$OUT/recipes_fp8_block";;
+    plain_probe) step probe_plain "${PROBE_TIMEOUT:-240}" python scripts/probe_plain.py --out "$OUT/probe_plain";;
     wgrad_probe) step probe_wgrad "${PROBE_TIMEOUT:-240}" python scripts/probe_wgrad.py --out "$OUT/probe_wgrad";;
     ptxas_tests) TE_FUSED_MOE_PTXAS=toolkit step pytest_ptxas_toolkit "${FP8_TESTS_TIMEOUT:-270}" python -m pytest \
                    -m gpu -q -p no:cacheprovider tests/gpu/test_triton_fp8_block_gpu.py tests/gpu/test_fp8_block_wgmma_gpu.py;;
