@@ -111,7 +111,6 @@ def run_variant(variant: str) -> dict:
             for key, fast in (("cublas", False), ("cublas_fast_accum", True)):
                 cms = bench_ceiling.time_cublas_fp8([(ROUTED, n, k)], fast_accum=fast)
                 out[name][key] = {"ms": round(cms, 4), "tflops": round(flops / cms / 1e9, 1)}
-        del a, aq, wq, c
         torch.cuda.empty_cache()
     return out
 
