@@ -22,7 +22,8 @@
 # stochastic rounding among them).
 # prefetch_bench: the FP8 block kernels at DSv3 with and without wgmma_ws.TILE_PREFETCH (each kernel alone),
 # then the MLP with and without it against BF16 unfused in interleaved rounds.
-# wgmma_tests: the Gluon GEMMs' GPU tests (over 240 s on a cold H100 in run 28: hence its 420 s limit).
+# wgmma_tests: the Gluon GEMMs' GPU tests (over 240 s on a cold H100 in run 28: hence its 420 s limit;
+# WGMMA_K: a pytest -k selection of them). fp8_bench: FP8_ONLY, bench_recipes' --implementations.
 # other_tests: every other GPU test file (those needing TE, Megatron or SM100 skip where those are absent).
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -47,11 +48,12 @@ for s in $STEPS; do
     mxfp8_tests) step pytest_mxfp8 "${MXFP8_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
                    tests/gpu/test_triton_mxfp8_gpu.py;;
     wgmma_tests) step pytest_wgmma "${WGMMA_TESTS_TIMEOUT:-420}" python -m pytest -m gpu -q -p no:cacheprovider \
-                   tests/gpu/test_fp8_block_wgmma_gpu.py;;
+                   tests/gpu/test_fp8_block_wgmma_gpu.py ${WGMMA_K:+-k "$WGMMA_K"};;
     other_tests) step pytest_other "${OTHER_TESTS_TIMEOUT:-420}" python -m pytest -m gpu -q -p no:cacheprovider -rs \
                    tests/gpu --ignore=tests/gpu/test_triton_fp8_block_gpu.py --ignore=tests/gpu/test_triton_mxfp8_gpu.py;;
     fp8_bench) step recipes_fp8_block "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
-                 --shapes dsv3-e32 --rounds "${ROUNDS:-3}" --out "$OUT/recipes_fp8_block";;
+                 --shapes dsv3-e32 --rounds "${ROUNDS:-3}" ${FP8_ONLY:+--implementations "$FP8_ONLY"} \
+                 --out "$OUT/recipes_fp8_block";;
     plain_probe) step probe_plain "${PROBE_TIMEOUT:-240}" python scripts/probe_plain.py --out "$OUT/probe_plain";;
     wgrad_probe) step probe_wgrad "${PROBE_TIMEOUT:-240}" python scripts/probe_wgrad.py --out "$OUT/probe_wgrad";;
     ptxas_tests) TE_FUSED_MOE_PTXAS=toolkit step pytest_ptxas_toolkit "${FP8_TESTS_TIMEOUT:-270}" python -m pytest \

@@ -8,7 +8,9 @@ kernel's structure around it (128x128 tiles, ring, producer, stores), which no p
 
 Variants, each in its own process (a Gluon kernel's dependencies are fixed at its first compile),
 ``wgmma_gemm``'s helpers replaced before the first launch:
-- ``base``: the kernel as it ships (``_promoted_mainloop``).
+- ``base``: the kernel as it ships (``_promoted_mainloop``; since run 32 with ``wgmma_ws.RING_SCALES``).
+- ``load_scales``: ``base`` with the consumers loading each block's scales from global memory one
+  block ahead (``RING_SCALES`` off: the kernel before run 32; the same results).
 - ``add_only``: the promotion an FADD (``acc + part``) instead of an FFMA by the block's scales: the
   scales' loads are dead and dropped; the same three register tiles and one FP32 op per element.
 - ``chained``: no promotion: one wgmma chain accumulating over all K blocks into one register tile
@@ -39,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
-VARIANTS = ("base", "add_only", "chained")
+VARIANTS = ("base", "load_scales", "add_only", "chained")
 ROUTED, EXPERTS = 32768, 32
 SHAPES = {"fc1": (4096, 7168), "fc2": (7168, 2048), "dglu_gemm": (2048, 7168), "fc1_dgrad": (7168, 4096)}
 
@@ -53,7 +55,7 @@ def promote_by_add(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 @gluon.jit
 def chained_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scales, col_scales, stride_col_scales,
                      mma: gl.constexpr, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr, BAND: gl.constexpr,
-                     BANDS: gl.constexpr):
+                     BANDS: gl.constexpr, RING_SCALES: gl.constexpr = False):
     """``_promoted_mainloop``'s contract without the scales: sum over the K blocks of ``dot(A, B^T)`` in
     one wgmma chain; block ``k``'s stage goes back once block ``k + 1``'s wgmma is issued and ``k``'s done."""
     BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
@@ -76,7 +78,11 @@ def chained_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scales
 
 
 def _patch(variant: str) -> None:
-    if variant == "add_only":
+    from te_fused_moe.backends.triton.fp8_block import wgmma_ws
+
+    if variant == "load_scales":
+        wgmma_ws.RING_SCALES = False
+    elif variant == "add_only":
         W._promote = promote_by_add
     elif variant == "chained":
         W._promoted_mainloop = chained_mainloop

@@ -70,7 +70,7 @@ def promote_col_then_row(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
 
 @gluon.jit
 def promote_factor_by_fma(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
-    rows, cols = gl.broadcast(row_scale[:, None], col_scale)
+    rows, cols = gl.broadcast(row_scale, col_scale)
     factor = gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, 0f80000000;", "=r,r,r", [rows, cols],
                                        dtype=gl.float32, is_pure=True, pack=1)
     return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc], dtype=gl.float32,

@@ -33,6 +33,7 @@ def sm90_build_report() -> dict:
     from triton.runtime.jit import mangle_type
 
     from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W, wgmma_ws as WS
+    from te_fused_moe.backends.triton.fp8_block.quantize import new_row_scales
     from te_fused_moe.backends.triton.fp8_block.wgrad import default_config
 
     def build(kernel, types, consts, warps, ctas_per_sm, tile_elements, consumers, prefetch=WS.TILE_PREFETCH):
@@ -40,6 +41,10 @@ def sm90_build_report() -> dict:
         return dict(build_gluon_sm90(kernel, types, dict(consts, CONSUMERS=consumers, PREFETCH=prefetch,
                                                          CONSUMER_REGISTERS=launch["CONSUMER_REGISTERS"]),
                                      num_warps=launch["num_warps"], maxnreg=launch["maxnreg"]), consumers=consumers)
+
+    # the plain GEMM's scales by TMA with each stage (wgmma_ws.RING_SCALES), T off a multiple of 4
+    as_desc, bs_desc = W.ring_scale_descriptors(new_row_scales(1023, 2048, torch.empty(0)),
+                                                torch.empty(4, 8, 16), 1024)
 
     report = {}
     # FC2 / FC1 dgrad (BF16 out) and the FC1 / dGLU GEMMs whose epilogues run alone (FP32 out: a 64 KB
@@ -54,19 +59,27 @@ def sm90_build_report() -> dict:
                                        torch.empty(4, 1024, 2048, dtype=torch.float8_e4m3fn))
         c_gl = "fp32" if c_dtype == torch.float32 else "bf16"
         types = dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), as_ptr="*fp32", bs_ptr="*fp32",
-                     c_ptr=f"*{c_gl}", bias_ptr="*bf16", sched_ptr="*i32")
+                     as_desc=mangle_type(as_desc), bs_desc=mangle_type(bs_desc), c_ptr=f"*{c_gl}", bias_ptr="*bf16",
+                     sched_ptr="*i32")
         for consumers in (1, 2):
             c_desc = W.store_descriptor(torch.empty(1024, 1024, dtype=c_dtype), W.BM // consumers, W.BN)
             types["c_desc"] = mangle_type(c_desc) if tma_store else types["a_desc"]
             report[f"{name}_{consumers}"] = build(WS.fp8_block_gemm_ws_kernel, types,
                                                   dict(HAS_BIAS=has_bias, GROUP_M=8, NUM_STAGES=W.STAGES,
-                                                       TMA_STORE=tma_store),
+                                                       TMA_STORE=tma_store, RING_SCALES=True),
                                                   W.NUM_WARPS, 1, W.BM * W.BN, consumers)
             plain_types[f"{name}_{consumers}"] = dict(types)
     # the tiles' schedule reads as they were before TILE_PREFETCH (kept for the benchmark's comparison)
     report["fc2_e4m3_bias_2_no_prefetch"] = build(WS.fp8_block_gemm_ws_kernel, plain_types["fc2_e4m3_bias_2"],
-                                                  dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES, TMA_STORE=True),
+                                                  dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES, TMA_STORE=True,
+                                                       RING_SCALES=True),
                                                   W.NUM_WARPS, 1, W.BM * W.BN, 2, prefetch=False)
+    # the scales loaded by the consumers from global memory (where TMA cannot read them; before run 32)
+    for name in ("fc2_e4m3_bias_2", "fc2_no_tma_1"):
+        report[f"{name}_load_scales"] = build(WS.fp8_block_gemm_ws_kernel, plain_types[name],
+                                              dict(HAS_BIAS=True, GROUP_M=8, NUM_STAGES=W.STAGES,
+                                                   TMA_STORE=name != "fc2_no_tma_1", RING_SCALES=False),
+                                              W.NUM_WARPS, 1, W.BM * W.BN, int(name[-1]))
 
     def wgrad(block_n, block_k, warps, stages, ctas_per_sm, tma_store, consumers, prefetch=WS.TILE_PREFETCH):
         g_t, x_t = torch.empty(4096, 1024, dtype=torch.float8_e5m2), torch.empty(7168, 1024, dtype=torch.float8_e4m3fn)
@@ -101,7 +114,8 @@ def _most_registers_asked(name: str, consumers: int) -> int:
 
 def _check_build_report(report: dict) -> None:
     plain = {f"{n}_{c}" for n in ("fc2_e4m3_bias", "dgrad_e5m2", "acc_fp32", "fc2_no_tma") for c in (1, 2)}
-    assert set(report) == plain | {"fc2_e4m3_bias_2_no_prefetch", "wgrad_default", "wgrad_1", "wgrad_1_tma", "wgrad_2",
+    assert set(report) == plain | {"fc2_e4m3_bias_2_no_prefetch", "fc2_e4m3_bias_2_load_scales",
+                                   "fc2_no_tma_1_load_scales", "wgrad_default", "wgrad_1", "wgrad_1_tma", "wgrad_2",
                                    "wgrad_2_tma", "wgrad_64x128", "wgrad_default_no_prefetch"}
     assert report["wgrad_default"]["consumers"] == 2
     for name, r in report.items():
@@ -130,12 +144,13 @@ def _check_build_report(report: dict) -> None:
         assert r["scalar_i32_loads_in_loops"] == want, (name, r["scalar_i32_loads_in_loops"], want)
     # two CTAs of the 64x128 wgrad share an SM's 227 KB
     assert 2 * report["wgrad_64x128"]["shared"] <= 227 * 1024, report["wgrad_64x128"]
-    # the wgrad's producer fences the async proxy before each TMA refill of a stage whose column scales
-    # the consumers read with ordinary loads (the mbarrier init has one too; a plain GEMM without TMA
-    # stores has only that one): without it a refill can overwrite them early, a race only seen once
+    # the producer fences the async proxy before each TMA refill of a stage whose scales the consumers
+    # read with ordinary loads (the wgrad's column scales; the plain GEMM's row scales and block scalars
+    # with RING_SCALES; the mbarrier init has one too, so a plain GEMM loading its scales itself, without
+    # TMA stores, has only that one): without it a refill can overwrite them early, a race only seen once
     # the ring wraps at full size (run 21, in a Gluon quantize pass)
-    assert report["fc2_no_tma_1"]["fence_async"] == 1, report["fc2_no_tma_1"]
-    for name in ("wgrad_1", "wgrad_2"):
+    assert report["fc2_no_tma_1_load_scales"]["fence_async"] == 1, report["fc2_no_tma_1_load_scales"]
+    for name in ("wgrad_1", "wgrad_2", "fc2_no_tma_1"):
         assert report[name]["fence_async"] == 2, (name, report[name])
 
 
@@ -199,6 +214,31 @@ def test_usable_needs_fp8_tma_layouts():
     a, b = _operands()
     assert not usable(a, b)  # CPU tensors
     assert not usable(a.float(), b)
+
+
+def test_ring_scales_need_tma_layouts():
+    """Where the plain GEMM's producer can load the scales by TMA (``wgmma_ws.RING_SCALES``) and where they
+    are loaded as before: the row scales as ``new_row_scales`` stores them (K-block-major, runs padded to
+    16 bytes, also at T off a multiple of 4), the weight scales contiguous with 16-byte rows (K a
+    multiple of 512; the dgrad's transposed view is copied contiguous first), B's rows whole tiles."""
+    from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W, wgmma_ws as WS
+    from te_fused_moe.backends.triton.fp8_block.quantize import new_row_scales
+
+    like = torch.empty(0)
+    for rows in (1, 1023, 1024):
+        a_scale = new_row_scales(rows, 512, like)
+        assert a_scale.shape == (rows, 4) and a_scale.stride(0) == 1 and a_scale.stride(1) % 4 == 0
+        assert W.ring_scale_descriptors(a_scale, torch.empty(2, 3, 4), 384) is not None, rows
+    a_scale = new_row_scales(1023, 512, like)
+    row_major = torch.empty(1023, 4)  # rows' scales together: a K block's run is strided
+    assert W.ring_scale_descriptors(row_major, torch.empty(2, 3, 4), 384) is None
+    assert W.ring_scale_descriptors(a_scale, torch.empty(2, 3, 3), 384) is None  # K = 384: 12-byte rows
+    assert W.ring_scale_descriptors(a_scale, torch.empty(2, 3, 4), 320) is None  # B's rows off the tile
+    assert W.ring_scale_descriptors(a_scale, torch.empty(2, 3, 4, dtype=torch.float64), 384) is None
+    transposed = torch.empty(2, 4, 3).transpose(1, 2)  # a weight's scales seen as its transposed copy's
+    assert W.ring_scale_descriptors(a_scale, transposed, 384) is None
+    assert W.ring_scale_descriptors(a_scale, WS._contiguous_scales(transposed), 384) is not None
+    assert WS._contiguous_scales(transposed).equal(transposed)
 
 
 def test_wgrad_engine_choice_and_errors():

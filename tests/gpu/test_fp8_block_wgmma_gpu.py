@@ -310,3 +310,34 @@ def test_tile_prefetch_changes_no_bit(monkeypatch, programs):
     assert torch.equal(plain_on, plain_off) and torch.equal(dw_on, dw_off)
     err = (dw_on.double() - ref).abs() - (2.0 ** -8 * ref.abs() + 2.0 ** -9 * mag)
     assert float(err.max()) <= 0, float(err.max())
+
+
+@pytest.mark.parametrize("programs", [1, 3, None])
+def test_ring_scales_change_no_bit(monkeypatch, programs):
+    """``wgmma_ws.RING_SCALES`` (the producer loads each K block's row scales and weight block scalar by
+    TMA with its stage, the consumers read them from shared memory) moves loads, not results: on random
+    data with runs of empty and one-block experts, T off a multiple of 4, bias, E4M3 and E5M2 A, the
+    forward orientation (the weight's scales contiguous) and the dgrad's (the transposed copy's scales,
+    copied contiguous for TMA), over few programs and the full grid, the same bits as the scales loaded
+    from global memory; and those operands do take the TMA path."""
+    from te_fused_moe.backends.triton.fp8_block import quantize as Q, wgmma_gemm, wgmma_ws
+
+    counts = torch.tensor(_PERSISTENT_COUNTS)
+    T, K = int(counts.sum()) + 7, 512
+    if programs is not None:
+        _forced_grid(monkeypatch, programs)
+    for fmt in ("e4m3", "e5m2"):
+        aq, wq, counts, sched, bias = _problem(T, K, 384, counts.numel(), fmt, False, seed=70 + (programs or 0),
+                                               counts=counts)
+        w_t = torch.randn(counts.numel(), K, 256, generator=torch.Generator().manual_seed(7)) * 0.05
+        wtq = Q.quantize_weight(w_t.cuda().bfloat16(), Q.FP8Spec.of("e4m3", True), transposed=True)
+        cases = {"forward": (wq.data, wq.scale, 384, bias), "dgrad": (wtq.data_t, wtq.scale_t, 256, None)}
+        for name, (b, b_scale, n, b_bias) in cases.items():
+            assert wgmma_gemm.ring_scale_descriptors(aq.scale, wgmma_ws._contiguous_scales(b_scale),
+                                                     b.shape[1]) is not None, name
+            outs = {}
+            for ring in (True, False):
+                monkeypatch.setattr(wgmma_ws, "RING_SCALES", ring)
+                outs[ring] = _run("gluon", aq, Q.QuantizedWeight(b, None, b_scale), counts, sched, b_bias, n)
+            print("RING_SCALES", fmt, name, programs, int((outs[True] != outs[False]).sum()))
+            assert not outs[True].isnan().any() and torch.equal(outs[True], outs[False]), (fmt, name, programs)

@@ -69,8 +69,11 @@ class FP8Spec:
 
 
 def new_row_scales(num_rows: int, k: int, like: torch.Tensor, alloc=torch.empty) -> torch.Tensor:
-    """``[T, cdiv(K, 128)]`` FP32 row scales, stored K-block-major (strides ``(1, T)``)."""
-    return alloc((triton.cdiv(k, BLOCK), num_rows), device=like.device, dtype=torch.float32).t()
+    """``[T, cdiv(K, 128)]`` FP32 row scales, stored K-block-major (strides ``(1, T rounded up to 4)``):
+    the Gluon plain GEMM's producer loads each K block's run of them by TMA, which needs the rows of
+    the ``[K blocks, T]`` buffer 16-byte aligned (``wgmma_ws.RING_SCALES``)."""
+    stride = -(-num_rows // 4) * 4
+    return alloc((triton.cdiv(k, BLOCK), stride), device=like.device, dtype=torch.float32)[:, :num_rows].t()
 
 
 def new_transposed(cols: int, num_rows: int, num_experts: int, like: torch.Tensor, dtype: torch.dtype,

@@ -182,13 +182,15 @@ def _store_row_vectors(c_ptr, stride_cm, row0, row_end, col0, col_end, out, BLOC
 @gluon.jit
 def _promoted_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scales, col_scales, stride_col_scales,
                        mma: gl.constexpr, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr, BAND: gl.constexpr,
-                       BANDS: gl.constexpr):
+                       BANDS: gl.constexpr, RING_SCALES: gl.constexpr = False):
     """sum over K blocks ``k_first .. k_first + k_tiles - 1`` (``k_tiles >= 1``) of ``dot(A block, B
     block^T) * scale`` in FP32, with block ``k``'s wgmma running while block ``k-1`` is promoted, A's
     rows ``BAND`` of ``BANDS`` (:func:`_a_tile`). The blocks sit in the ring's stages from ``used`` on;
     each one retired is handed back to the producer (:func:`_retire`). Scales: per row of A
     (:func:`_row_scale`) times one scalar of B per block, or (``OUTER``) times B's per-row scales
-    from the ring."""
+    from the ring. ``RING_SCALES`` (plain GEMM): A's row scales and B's scalar come with each block's
+    stage too (:func:`_ring_scales`), read once its wgmma is issued, instead of from global memory
+    (``row_scales``, ``col_scales`` unused)."""
     BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
     BLOCK_N: gl.constexpr = ring[3].shape[1]
     # Two register tiles take turns (X, Y): the loop runs two K blocks per trip so that neither is ever
@@ -198,14 +200,19 @@ def _promoted_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scal
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     spare = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     in_flight = _issue(ring, used, spare, NUM_STAGES, BAND, BANDS)
-    rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first, OUTER)
+    rs = _scales_ahead(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first, OUTER, RING_SCALES)
+    rs = _scales_of(ring, used, rs, mma, NUM_STAGES, BAND, BANDS, RING_SCALES)
     for k in range(1, k_tiles - 1, 2):
-        rs_k = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k, OUTER)
+        rs_k = _scales_ahead(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k, OUTER,
+                             RING_SCALES)
         issued = _issue(ring, used + k, spare, NUM_STAGES, BAND, BANDS)
+        rs_k = _scales_of(ring, used + k, rs_k, mma, NUM_STAGES, BAND, BANDS, RING_SCALES)
         done, cs = _retire(ring, in_flight, 1, used + k - 1, NUM_STAGES, OUTER)
         acc = _promote(acc, done, _block_factor(rs, OUTER), cs, OUTER)
-        rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k + 1, OUTER)
+        rs = _scales_ahead(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + k + 1, OUTER,
+                           RING_SCALES)
         in_flight = _issue(ring, used + k + 1, done, NUM_STAGES, BAND, BANDS)
+        rs = _scales_of(ring, used + k + 1, rs, mma, NUM_STAGES, BAND, BANDS, RING_SCALES)
         spare, cs = _retire(ring, issued, 1, used + k, NUM_STAGES, OUTER)
         acc = _promote(acc, spare, _block_factor(rs_k, OUTER), cs, OUTER)
     # both branches end with every wgmma waited for: a token leaving an if would merge X and Y (a copy)
@@ -215,7 +222,9 @@ def _promoted_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scal
         issued = _issue(ring, used + last, spare, NUM_STAGES, BAND, BANDS)
         done, cs = _retire(ring, in_flight, 1, used + last - 1, NUM_STAGES, OUTER)
         acc = _promote(acc, done, _block_factor(rs, OUTER), cs, OUTER)
-        rs = _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + last, OUTER)
+        rs = _scales_ahead(row_scales, stride_row_scales, col_scales, stride_col_scales, k_first + last, OUTER,
+                           RING_SCALES)
+        rs = _scales_of(ring, used + last, rs, mma, NUM_STAGES, BAND, BANDS, RING_SCALES)
         done, cs = _retire(ring, issued, 0, used + last, NUM_STAGES, OUTER)
         acc = _promote(acc, done, _block_factor(rs, OUTER), cs, OUTER)
     else:
@@ -231,7 +240,7 @@ def _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k, 
     Multiplied here, at the load, ptxas put the product before the next block's wgmma issue: each block
     the warp stalled there on the loads' latency (ncu, run 30: the plain GEMMs' hottest consumer
     instruction)."""
-    rows = gl.load(row_scales + k * stride_row_scales)
+    rows = gl.load(row_scales + k * stride_row_scales)[:, None]
     if OUTER:
         return rows, 1.0
     else:
@@ -239,8 +248,45 @@ def _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k, 
 
 
 @gluon.jit
+def _scales_ahead(row_scales, stride_row_scales, col_scales, stride_col_scales, k, OUTER: gl.constexpr,
+                  RING_SCALES: gl.constexpr):
+    """K block ``k``'s scales loaded from global memory ahead of its wgmma (:func:`_row_scale`), or nothing
+    where they come with its stage (``RING_SCALES``: :func:`_scales_of` reads them there)."""
+    if RING_SCALES:
+        return 0.0, 0.0
+    else:
+        return _row_scale(row_scales, stride_row_scales, col_scales, stride_col_scales, k, OUTER)
+
+
+@gluon.jit
+def _scales_of(ring, j, ahead, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr,
+               RING_SCALES: gl.constexpr):
+    """The ring's ``j``-th block's scales: ``ahead`` (:func:`_scales_ahead`), or with ``RING_SCALES`` read from
+    its stage (:func:`_ring_scales`; call it once the block's wgmma is issued, its stage then holds them,
+    and before :func:`_retire` hands the stage back)."""
+    if RING_SCALES:
+        return _ring_scales(ring, j, mma, NUM_STAGES, BAND, BANDS)
+    else:
+        return ahead
+
+
+@gluon.jit
+def _ring_scales(ring, j, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr):
+    """The plain GEMM's scales of the ring's ``j``-th block from its stage, where the producer put them by
+    TMA (``wgmma_ws``, ``RING_SCALES``): A's row scales of this band (``ring[6]``, one run of the tile's
+    rows) and B's 128x128 block scalar (``ring[9]``, the first of a 4-scale box), as :func:`_row_scale`
+    returns them. Read with ordinary loads: the producer fences before the TMA that reuses the stage."""
+    BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
+    stage = ring_slot(j, NUM_STAGES)[0]
+    # the stage holds the rows as a [1, BM] run: seen transposed, this band's [BLOCK_M, 1] column
+    rows = ring[6].index(stage).permute((1, 0)).slice(BAND * BLOCK_M, BLOCK_M).load(mma)
+    # the box's first scale as a [1, 1] tile in the same layout (no reduction: it broadcasts as it is)
+    return rows, ring[9].index(stage).slice(0, 1, dim=1).load(mma)
+
+
+@gluon.jit
 def _block_factor(scales, OUTER: gl.constexpr):
-    """The per-row factor of a block's promotion from :func:`_row_scale`'s pair."""
+    """The per-row factor ([BLOCK_M, 1]) of a block's promotion from :func:`_row_scale`'s pair."""
     if OUTER:
         return scales[0]
     else:
@@ -249,14 +295,14 @@ def _block_factor(scales, OUTER: gl.constexpr):
 
 @gluon.jit
 def _promote(acc, part, row_scale, col_scale, OUTER: gl.constexpr):
-    """``acc + part * row_scale[:, None] (* col_scale, [1, BLOCK_N], if OUTER)`` in FP32. The FMA is inline
+    """``acc + part * row_scale ([BLOCK_M, 1]) (* col_scale, [1, BLOCK_N], if OUTER)`` in FP32. The FMA is inline
     PTX marked impure so that LLVM keeps it before the next wgmma's issue (also inline asm): sunk past
     it, ``part`` would be live across the wgmma that overwrites its registers, the copy that follows
     makes ptxas serialise every wgmma (C7515; seen with the wgrad's column scales)."""
     if OUTER:
-        factor = row_scale[:, None] * col_scale
+        factor = row_scale * col_scale
     else:
-        factor = gl.broadcast(row_scale[:, None], part)[0]
+        factor = gl.broadcast(row_scale, part)[0]
     return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r", [part, factor, acc], dtype=gl.float32,
                                      is_pure=False, pack=1)
 
@@ -317,6 +363,23 @@ def scale_descriptor(scale_t: torch.Tensor, block: int):
     """Gluon TMA descriptor of FP32 per-token-block scales ``scale_t`` [tiles, columns] in [1, block]
     boxes (unswizzled: one row of 4 * block bytes)."""
     return _tma_descriptor(scale_t, [1, block], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
+def ring_scale_descriptors(a_scale: torch.Tensor, b_scale: torch.Tensor, b_rows: int):
+    """TMA descriptors of the plain GEMM's scales (``wgmma_ws.RING_SCALES``): A's row scales ``a_scale``
+    [T, K/128] stored K-block-major, in [1, BM] boxes of ``a_scale.t()`` (one K block's run of a
+    tile's rows); B's ``b_scale`` [E, rows/128, K/128] seen as [E * rows/128, K/128], in boxes of 4
+    (TMA's 16 bytes; the first is the block's scalar). None where TMA cannot read them: ``a_scale`` not
+    K-block-major with 16-byte aligned runs (see ``quantize.new_row_scales``), ``b_scale`` not
+    contiguous or its rows not 16-byte aligned (K off a multiple of 512), B's rows off the tile."""
+    a_t = a_scale.t()
+    if (a_t.stride(1) != 1 or (a_t.stride(0) * 4) % 16 or a_t.data_ptr() % 16 or a_scale.dtype != torch.float32
+            or b_scale.dtype != torch.float32 or not b_scale.is_contiguous() or (b_scale.shape[2] * 4) % 16
+            or b_scale.data_ptr() % 16 or b_rows % BN or a_scale.shape[0] == 0):
+        return None
+    unswizzled = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    flat_b = b_scale.view(b_scale.shape[0] * b_scale.shape[1], b_scale.shape[2])
+    return _tma_descriptor(a_t, [1, BM], unswizzled), _tma_descriptor(flat_b, [1, 4], unswizzled)
 
 
 def store_descriptor(t: torch.Tensor, block_rows: int, block_cols: int, dtypes=None):

@@ -53,15 +53,24 @@ FIRST_BAND, SECOND_BAND = gl.constexpr(0), gl.constexpr(1)  # the consumers' ban
 # and 1.80 vs 1.83 ms), the wgrads within +-3% either way (their ~8 token blocks per tile do not lose
 # their time at the tile's start), the MLP within its run-to-run spread (10.86 vs 10.94, 10.99 vs 10.83).
 TILE_PREFETCH = True
+# Whether the plain GEMM's scales (A's row scales and B's 128x128 block scalar of each K block) come with
+# the block's stage, loaded by the producer's TMA and read from shared memory once the block's wgmma is
+# issued (``wgmma_gemm._ring_scales``), instead of loaded by the consumers from global memory one block
+# ahead. Why: with the promotion an FADD and no scale loads, the four DSv3 token GEMMs ran 14-16%
+# faster (probe_plain, run 32: FC1's 1.709 -> 1.472 ms, cuBLAS FP8 1.494); the loads' latency, not the
+# promotion's FP32 work, was what they lost to cuBLAS (run 30: long scoreboard their largest stall).
+# Where TMA cannot read the scales (``wgmma_gemm.ring_scale_descriptors``) they are loaded as before.
+RING_SCALES = True
 
 
 @gluon.jit
 def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr,
-              PREFETCH: gl.constexpr):
+              PREFETCH: gl.constexpr, RING_SCALES: gl.constexpr = False):
     """Loads every K block of this program's tiles, in the consumers' order, into the ring: waits for a
     stage to be handed back (``empty``), then TMA-copies A's and B's tiles (and, ``OUTER``, B's column
-    scales) into it, completing on its ``ready`` barrier."""
-    a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty = ring
+    scales; ``RING_SCALES``, A's row scales and B's block scalar) into it, completing on its ``ready``
+    barrier."""
+    a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty, ws_desc, ws_bufs = ring
     BLOCK_A: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_B: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -97,6 +106,11 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
                 fence_async_shared()
                 mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
                 G.tma_load(cs_desc, [blk, b_row], bar, cs_bufs.index(stage))
+            elif RING_SCALES:
+                fence_async_shared()  # as above, for the row scales and the block scalar
+                mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes + ws_desc.block_type.nbytes)
+                G.tma_load(cs_desc, [blk, a_row], bar, cs_bufs.index(stage))
+                G.tma_load(ws_desc, [b_row // BLOCK_B, blk], bar, ws_bufs.index(stage))
             else:
                 mbarrier.expect(bar, nbytes)
             G.tma_load(a_desc, [a_row, blk * BLOCK_K], bar, a_bufs.index(stage))
@@ -105,23 +119,30 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
-def _ring(a_desc, b_desc, cs_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr, CONSUMERS: gl.constexpr):
+def _ring(a_desc, b_desc, cs_desc, ws_desc, NUM_STAGES: gl.constexpr, OUTER: gl.constexpr, CONSUMERS: gl.constexpr,
+          RING_SCALES: gl.constexpr = False):
     """The ring: the descriptors, ``NUM_STAGES`` stages of A and B tiles (and, ``OUTER``, of B's column
-    scales, ``cs_desc``) in shared memory, a ``ready`` barrier per stage (the TMA loads complete on it)
-    and an ``empty`` one (each of the ``CONSUMERS`` partitions arrives on it when done with the stage)."""
+    scales, ``cs_desc``; ``RING_SCALES``, of A's row scales, ``cs_desc``, and B's block scalars,
+    ``ws_desc``) in shared memory, a ``ready`` barrier per stage (the TMA loads complete on it) and an
+    ``empty`` one (each of the ``CONSUMERS`` partitions arrives on it when done with the stage).
+    Indices: 0-1 A's and B's descriptors, 2-3 their stages, 4 ready, 5-6 cs, 7 empty, 8-9 ws."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, a_desc.block_type.shape[0], BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, b_desc.block_type.shape[0], BLOCK_K], b_desc.layout)
-    if OUTER:
+    if OUTER or RING_SCALES:
         cs_bufs = gl.allocate_shared_memory(cs_desc.dtype, [NUM_STAGES] + cs_desc.block_type.shape, cs_desc.layout)
     else:
         cs_bufs = a_bufs  # unused
+    if RING_SCALES:
+        ws_bufs = gl.allocate_shared_memory(ws_desc.dtype, [NUM_STAGES] + ws_desc.block_type.shape, ws_desc.layout)
+    else:
+        ws_bufs = a_bufs  # unused
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
-    return a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty
+    return a_desc, b_desc, a_bufs, b_bufs, ready, cs_desc, cs_bufs, empty, ws_desc, ws_bufs
 
 
 @gluon.constexpr_function
@@ -146,7 +167,7 @@ def _stage(acc, staging):
 @gluon.jit
 def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr, PREFETCH: gl.constexpr, BAND: gl.constexpr,
-                    BANDS: gl.constexpr, num_warps: gl.constexpr):
+                    BANDS: gl.constexpr, RING_SCALES: gl.constexpr, num_warps: gl.constexpr):
     """The plain GEMM's tiles ``program_id, + grid, ...`` in the producer's order, rows ``BAND`` of ``BANDS``
     of each on ``num_warps`` warps: the promoted mainloop (scales: one per row of A, each thread
     holding its rows', times one scalar of B per K block), bias, store (:func:`_store_plain_tile`);
@@ -184,7 +205,7 @@ def _plain_consumer(ring, src, params, c_desc, HAS_BIAS: gl.constexpr, GROUP_M: 
                 rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma)), T - 1)
                 sb_ptr = bs_ptr + group.to(gl.int64) * stride_bse + ((pid_n * BLOCK_N) // 128) * stride_bsn
                 acc = W._promoted_mainloop(ring, used, 0, k_tiles, as_ptr + rows.to(gl.int64) * stride_asm, stride_ask,
-                                           sb_ptr, stride_bsk, mma, NUM_STAGES, False, BAND, BANDS)
+                                           sb_ptr, stride_bsk, mma, NUM_STAGES, False, BAND, BANDS, RING_SCALES)
                 used += k_tiles
                 if HAS_BIAS:
                     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -218,21 +239,23 @@ def _store_plain_tile(acc, staging, c_desc, c_ptr, stride_cm, row0, row_end, col
 
 @gluon.jit
 def fp8_block_gemm_ws_kernel(
-    a_desc, as_ptr, stride_asm, stride_ask,
-    b_desc, bs_ptr, stride_bse, stride_bsn, stride_bsk, B_ROWS,
+    a_desc, as_ptr, as_desc, stride_asm, stride_ask,
+    b_desc, bs_ptr, bs_desc, stride_bse, stride_bsn, stride_bsk, B_ROWS,
     c_ptr, c_desc, stride_cm, bias_ptr, stride_bias_e, sched_ptr,
     T, N, K, MAX_M_TILES, NUM_GROUPS,
     HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
-    PREFETCH: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, num_warps: gl.constexpr,
+    PREFETCH: gl.constexpr, RING_SCALES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``c[rows of expert e] = (A_e @ B_e^T) (+ bias_e)``, persistent over the tiles (``CONSUMERS``
     partitions of ``num_warps`` consumer warps each, and the producer). ``c_desc``: ``c`` in boxes of a
-    partition's tile, used with ``TMA_STORE``."""
+    partition's tile, used with ``TMA_STORE``; ``as_desc``, ``bs_desc``: the scales by TMA
+    (``wgmma_gemm.ring_scale_descriptors``), used with ``RING_SCALES``."""
     num_pid_n = gl.cdiv(N, b_desc.block_type.shape[0])  # N: c's width; B's rows cover the last tile
     k_tiles = K // a_desc.block_type.shape[1]
     src = (sched_ptr, MAX_M_TILES * num_pid_n, gl.num_programs(0), MAX_M_TILES, num_pid_n, NUM_GROUPS, B_ROWS,
            k_tiles)
-    ring = _ring(a_desc, b_desc, a_desc, NUM_STAGES, False, CONSUMERS)
+    ring = _ring(a_desc, b_desc, as_desc, bs_desc, NUM_STAGES, False, CONSUMERS, RING_SCALES)
     p = (as_ptr, stride_asm, stride_ask, bs_ptr, stride_bse, stride_bsn, stride_bsk, c_ptr, stride_cm, bias_ptr,
          stride_bias_e, T, N)
     # one consumer partition or two (gemm.PLAIN_CONSUMERS), each a warpgroup taking half of every tile's rows,
@@ -241,15 +264,17 @@ def fp8_block_gemm_ws_kernel(
     # reaches them with its constexprs turned into Python values, which they cannot take.)
     if CONSUMERS == 1:
         gl.warp_specialize([(_plain_consumer, (ring, src, p, c_desc, HAS_BIAS, GROUP_M, NUM_STAGES, TMA_STORE,
-                                               PREFETCH, FIRST_BAND, CONSUMERS, num_warps)),
-                            (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False, PREFETCH))],
+                                               PREFETCH, FIRST_BAND, CONSUMERS, RING_SCALES, num_warps)),
+                            (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False, PREFETCH,
+                                         RING_SCALES))],
                            [PRODUCER_WARPS], [PRODUCER_REGISTERS])
     else:
         gl.warp_specialize([(_plain_consumer, (ring, src, p, c_desc, HAS_BIAS, GROUP_M, NUM_STAGES, TMA_STORE,
-                                               PREFETCH, FIRST_BAND, CONSUMERS, num_warps)),
+                                               PREFETCH, FIRST_BAND, CONSUMERS, RING_SCALES, num_warps)),
                             (_plain_consumer, (ring, src, p, c_desc, HAS_BIAS, GROUP_M, NUM_STAGES, TMA_STORE,
-                                               PREFETCH, SECOND_BAND, CONSUMERS, num_warps)),
-                            (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False, PREFETCH))],
+                                               PREFETCH, SECOND_BAND, CONSUMERS, RING_SCALES, num_warps)),
+                            (_producer, (ring, src, W.KIND_PLAIN, GROUP_M, NUM_STAGES, False, PREFETCH,
+                                         RING_SCALES))],
                            [num_warps, PRODUCER_WARPS], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -316,7 +341,7 @@ def fp8_block_wgrad_ws_kernel(
     tiles_n = gl.cdiv(N, g_desc.block_type.shape[0])
     tiles_k = gl.cdiv(K, x_desc.block_type.shape[0])
     src = (sched_ptr, (NUM_GROUPS - 1) * tiles_n * tiles_k, gl.num_programs(0), tiles_n, tiles_k, NUM_GROUPS, 0, 0)
-    ring = _ring(g_desc, x_desc, xs_desc, NUM_STAGES, True, CONSUMERS)
+    ring = _ring(g_desc, x_desc, xs_desc, xs_desc, NUM_STAGES, True, CONSUMERS)
     p = (gs_ptr, stride_gst, dw_ptr, stride_dw_e, stride_dw_n, N, K)
     if CONSUMERS == 1:  # as in fp8_block_gemm_ws_kernel
         gl.warp_specialize([(_wgrad_consumer, (ring, src, p, dw_desc, GROUP_N, NUM_STAGES, TMA_STORE, PREFETCH,
@@ -383,19 +408,27 @@ def launch_plain(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     m_tiles = max_m_tiles(num_rows, num_experts, W.BM)
     a_desc, b_desc = W.descriptors(a, b)
     c_desc = W.store_descriptor(c, W.BM // consumers, W.BN) if tma_store else None
+    scale_descs = W.ring_scale_descriptors(a_scale, _contiguous_scales(b_scale), b.shape[1]) if RING_SCALES else None
+    as_desc, bs_desc = scale_descs or (a_desc, a_desc)
     dummy = a_scale
     grid = W.persistent_grid(m_tiles * triton.cdiv(n, W.BN), a.device, ctas_per_sm)
     fp8_block_gemm_ws_kernel[(grid,)](
-        a_desc, a_scale, a_scale.stride(0), a_scale.stride(1),
-        b_desc, b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
+        a_desc, a_scale, as_desc, a_scale.stride(0), a_scale.stride(1),
+        b_desc, b_scale, bs_desc, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
         c, c_desc if c_desc is not None else a_desc, c.stride(0), bias if bias is not None else dummy,
         bias.stride(0) if bias is not None else 0, schedule,
         num_rows, n, k, m_tiles, num_experts + 1,
         HAS_BIAS=bias is not None, GROUP_M=group_m, NUM_STAGES=num_stages, TMA_STORE=c_desc is not None,
-        PREFETCH=TILE_PREFETCH,
+        PREFETCH=TILE_PREFETCH, RING_SCALES=scale_descs is not None,
         **_partitions(W.NUM_WARPS, consumers, ctas_per_sm, W.BM * W.BN),
     )
     return c
+
+
+def _contiguous_scales(b_scale: torch.Tensor) -> torch.Tensor:
+    """B's block scales as TMA reads them: the dgrad's (the weight's scales seen transposed, ~0.2 MB at
+    DSv3) copied contiguous, the forward's as they are."""
+    return b_scale if b_scale.is_contiguous() else b_scale.contiguous()
 
 
 def _wgrad_store_descriptor(dw: torch.Tensor, block_n: int, block_k: int):
