@@ -44,6 +44,10 @@ from .quantize import BLOCK
 BM = BN = BK = BLOCK  # one scale block per K step, one weight scale block per tile
 STAGES = 4            # 4 x 32 KB of operand tiles in shared memory
 NUM_WARPS = 8         # two warpgroups, 64 rows each
+# FP32 scales per TMA box of the weight's block scalar (``RING_SCALES``): one is used, but each stage's
+# copy must start 128-byte aligned in shared memory (a 16-byte box, TMA's least, put stage 1 at +16 B:
+# an illegal instruction on the H100, run 32)
+SCALAR_BOX = 32
 
 
 @gluon.jit
@@ -274,7 +278,7 @@ def _scales_of(ring, j, ahead, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND
 def _ring_scales(ring, j, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr):
     """The plain GEMM's scales of the ring's ``j``-th block from its stage, where the producer put them by
     TMA (``wgmma_ws``, ``RING_SCALES``): A's row scales of this band (``ring[6]``, one run of the tile's
-    rows) and B's 128x128 block scalar (``ring[9]``, the first of a 4-scale box), as :func:`_row_scale`
+    rows) and B's 128x128 block scalar (``ring[9]``, the first of a :data:`SCALAR_BOX` box), as :func:`_row_scale`
     returns them. Read with ordinary loads: the producer fences before the TMA that reuses the stage."""
     BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
     stage = ring_slot(j, NUM_STAGES)[0]
@@ -368,8 +372,8 @@ def scale_descriptor(scale_t: torch.Tensor, block: int):
 def ring_scale_descriptors(a_scale: torch.Tensor, b_scale: torch.Tensor, b_rows: int):
     """TMA descriptors of the plain GEMM's scales (``wgmma_ws.RING_SCALES``): A's row scales ``a_scale``
     [T, K/128] stored K-block-major, in [1, BM] boxes of ``a_scale.t()`` (one K block's run of a
-    tile's rows); B's ``b_scale`` [E, rows/128, K/128] seen as [E * rows/128, K/128], in boxes of 4
-    (TMA's 16 bytes; the first is the block's scalar). None where TMA cannot read them: ``a_scale`` not
+    tile's rows); B's ``b_scale`` [E, rows/128, K/128] seen as [E * rows/128, K/128], in boxes of
+    :data:`SCALAR_BOX` (the first is the block's scalar). None where TMA cannot read them: ``a_scale`` not
     K-block-major with 16-byte aligned runs (see ``quantize.new_row_scales``), ``b_scale`` not
     contiguous or its rows not 16-byte aligned (K off a multiple of 512), B's rows off the tile."""
     a_t = a_scale.t()
@@ -379,7 +383,7 @@ def ring_scale_descriptors(a_scale: torch.Tensor, b_scale: torch.Tensor, b_rows:
         return None
     unswizzled = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     flat_b = b_scale.view(b_scale.shape[0] * b_scale.shape[1], b_scale.shape[2])
-    return _tma_descriptor(a_t, [1, BM], unswizzled), _tma_descriptor(flat_b, [1, 4], unswizzled)
+    return _tma_descriptor(a_t, [1, BM], unswizzled), _tma_descriptor(flat_b, [1, SCALAR_BOX], unswizzled)
 
 
 def store_descriptor(t: torch.Tensor, block_rows: int, block_cols: int, dtypes=None):
