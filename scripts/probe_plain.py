@@ -8,9 +8,10 @@ kernel's structure around it (128x128 tiles, ring, producer, stores), which no p
 
 Variants, each in its own process (a Gluon kernel's dependencies are fixed at its first compile),
 ``wgmma_gemm``'s helpers replaced before the first launch:
-- ``base``: the kernel as it ships (``_promoted_mainloop``; since run 32 with ``wgmma_ws.RING_SCALES``).
-- ``load_scales``: ``base`` with the consumers loading each block's scales from global memory one
-  block ahead (``RING_SCALES`` off: the kernel before run 32; the same results).
+- ``base``: the kernel as it ships (``_promoted_mainloop``).
+- ``ring_scales`` / ``load_scales``: ``base`` with ``wgmma_ws.RING_SCALES`` on (the producer loads each
+  block's scales by TMA with its stage) / off (the consumers load them from global memory one block
+  ahead; the kernel before run 32). The same results.
 - ``add_only``: the promotion an FADD (``acc + part``) instead of an FFMA by the block's scales: the
   scales' loads are dead and dropped; the same three register tiles and one FP32 op per element.
 - ``chained``: no promotion: one wgmma chain accumulating over all K blocks into one register tile
@@ -41,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
-VARIANTS = ("base", "load_scales", "add_only", "chained")
+VARIANTS = ("base", "ring_scales", "load_scales", "add_only", "chained")
 ROUTED, EXPERTS = 32768, 32
 SHAPES = {"fc1": (4096, 7168), "fc2": (7168, 2048), "dglu_gemm": (2048, 7168), "fc1_dgrad": (7168, 4096)}
 
@@ -80,8 +81,8 @@ def chained_mainloop(ring, used, k_first, k_tiles, row_scales, stride_row_scales
 def _patch(variant: str) -> None:
     from te_fused_moe.backends.triton.fp8_block import wgmma_ws
 
-    if variant == "load_scales":
-        wgmma_ws.RING_SCALES = False
+    if variant in ("ring_scales", "load_scales"):
+        wgmma_ws.RING_SCALES = variant == "ring_scales"
     elif variant == "add_only":
         W._promote = promote_by_add
     elif variant == "chained":

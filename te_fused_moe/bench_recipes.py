@@ -276,7 +276,7 @@ def _fused_under(recipe: str, _path=_fused, **module_flags: Dict):
 # FP32 accumulator instead of h and da in BF16 (both the defaults before run 22), or (F off the tile)
 # with the one-pass dGLU's programs launched M tile first (the default before session 23), or with the
 # Gluon kernels reading each tile's schedule entries when it starts (the default before session 24), or
-# with the plain Gluon GEMM loading its scales from global memory (the default before run 32)
+# with the plain Gluon GEMM's scales by TMA with each stage or loaded from global memory (RING_SCALES)
 FP32_EPILOGUE_INPUT = dict(EPILOGUE_INPUT_DTYPE=torch.float32)
 VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("fp8_block", gemm=FP32_EPILOGUE_INPUT),
                           "fp8_block_fused_triton_kernels": _fused_under("fp8_block", gemm=dict(PLAIN_ENGINE="triton")),
@@ -295,8 +295,9 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                           # the Gluon kernels reading each tile's schedule entries at its start
                           "fp8_block_fused_no_tile_prefetch": _fused_under(
                               "fp8_block", wgmma_ws=dict(TILE_PREFETCH=False)),
-                          # the plain Gluon GEMM's consumers loading their scales from global memory
-                          # (the default before run 32)
+                          # the plain Gluon GEMM's scales by TMA with each stage, or loaded by its
+                          # consumers from global memory (whichever wgmma_ws.RING_SCALES does not choose)
+                          "fp8_block_fused_ring_scales": _fused_under("fp8_block", wgmma_ws=dict(RING_SCALES=True)),
                           "fp8_block_fused_scales_by_load": _fused_under(
                               "fp8_block", wgmma_ws=dict(RING_SCALES=False))},
             "mxfp8": {"mxfp8_fused_k_loop": _fused_under("mxfp8", autograd=dict(EXPAND_BEFORE_GEMM=False)),

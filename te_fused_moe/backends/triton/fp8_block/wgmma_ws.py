@@ -60,7 +60,8 @@ TILE_PREFETCH = True
 # faster (probe_plain, run 32: FC1's 1.709 -> 1.472 ms, cuBLAS FP8 1.494); the loads' latency, not the
 # promotion's FP32 work, was what they lost to cuBLAS (run 30: long scoreboard their largest stall).
 # Where TMA cannot read the scales (``wgmma_gemm.ring_scale_descriptors``) they are loaded as before.
-RING_SCALES = True
+# Off until its GPU tests have passed (run 32's first build stored the weight scalar's box misaligned).
+RING_SCALES = False
 
 
 @gluon.jit
