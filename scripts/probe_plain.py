@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
+from probe_results import write_and_print
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
@@ -149,11 +149,7 @@ def main() -> None:
                 for key in ("cublas", "cublas_fast_accum"):
                     if key in base[shape]:
                         r[f"over_{key}"] = round(r["ms"] / base[shape][key]["ms"], 3)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "probe_plain.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(json.dumps(results, indent=1))
+    write_and_print(results, args.out, "probe_plain.json")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 
+from probe_results import write_and_print
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -201,11 +202,7 @@ def main() -> None:
             if isinstance(r, dict) and shape in base:
                 r["vs_base"] = round(base[shape]["ms"] / r["ms"], 3)
                 r["dw_as_base"] = r["dw_bits"] == base[shape]["dw_bits"]
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "probe_wgrad.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    print(json.dumps(results, indent=1))
+    write_and_print(results, args.out, "probe_wgrad.json")
 
 
 if __name__ == "__main__":
