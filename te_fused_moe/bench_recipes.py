@@ -441,8 +441,8 @@ def bench_kernels(recipe: str, shape: bench.Shape, inputs, fp8_peak: float, gemm
     # expanded before the GEMM; those expansions are timed on their own, not inside the GEMMs
     rows = lambda q: (read(q.data, q.scale), q.scale)
     cols = lambda q: k.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
-    weight = lambda w, transposed: ((read(w.data_t, w.scale_t), w.scale_t) if transposed
-                                    else (read(w.data, w.scale), w.scale))
+    weight = lambda w, transposed: (block_scaled.read_weight(read, w, transposed),
+                                    w.scale_t if transposed else w.scale)
     w1_fwd, w2_fwd, w1_bwd, w2_bwd = weight(w1q, False), weight(w2q, False), weight(w1q, True), weight(w2q, True)
     x_rows, x_cols, dy_rows, dy_cols = rows(xq), cols(xq), rows(dyq), cols(dyq)
     launch("fc1", *x_rows, *w1_fwd, F, sched, E, spec, q=aq, h=h, h_up_offset=F, b_up_rows=F, **kw)

@@ -56,8 +56,8 @@ TILE_PREFETCH = True
 # Whether the plain GEMM's scales (A's row scales and B's 128x128 block scalar of each K block) come with
 # the block's stage, loaded by the producer's TMA and read from shared memory once the block's wgmma is
 # issued (``wgmma_gemm._ring_scales``), instead of loaded by the consumers from global memory one block
-# ahead. Why: with the promotion an FADD and no scale loads, the four DSv3 token GEMMs ran 14-16%
-# faster (probe_plain, run 32: FC1's 1.709 -> 1.472 ms, cuBLAS FP8 1.494); the loads' latency, not the
+# ahead. Why: with the promotion an FADD and no scale loads, the four DSv3 token GEMMs took 14-16% less
+# time (probe_plain, run 32: FC1's 1.709 -> 1.472 ms, cuBLAS FP8 1.494); the loads' latency, not the
 # promotion's FP32 work, was what they lost to cuBLAS (run 30: long scoreboard their largest stall).
 # Where TMA cannot read the scales (``wgmma_gemm.ring_scale_descriptors``) they are loaded as before.
 # Experimental, off: not yet run on a GPU as it stands. Its first build died on the H100 with an illegal
