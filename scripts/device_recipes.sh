@@ -12,6 +12,8 @@
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
+# ring_scales: wgmma_ws.RING_SCALES' GPU check (ring against loads, bitwise), the FP8 block GPU tests with it on,
+# the plain probe's ring_scales and load_scales variants, then the MLP with and without it (no kernel table).
 # plain_probe: the plain FP8 block GEMM at DSv3's four token GEMM shapes as it ships, with its promotion an FADD,
 # and with no promotion (one wgmma chain), against cuBLAS FP8 (scripts/probe_plain.py).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
@@ -54,6 +56,17 @@ for s in $STEPS; do
     fp8_bench) step recipes_fp8_block "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
                  --shapes dsv3-e32 --rounds "${ROUNDS:-3}" ${FP8_ONLY:+--implementations "$FP8_ONLY"} \
                  --out "$OUT/recipes_fp8_block";;
+    ring_scales) step pytest_ring_scales "${WGMMA_TESTS_TIMEOUT:-240}" python -m pytest -m gpu -q -p no:cacheprovider \
+                   tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales
+                 step pytest_fp8_block_ring "${FP8_TESTS_TIMEOUT:-200}" python -c "import sys, pytest
+import te_fused_moe.backends.triton.fp8_block.wgmma_ws as ws
+ws.RING_SCALES = True
+sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_triton_fp8_block_gpu.py']))"
+                 step probe_plain_ring "${PROBE_TIMEOUT:-200}" python scripts/probe_plain.py \
+                   --variants ring_scales,load_scales --out "$OUT/probe_plain_ring"
+                 step recipes_ring "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
+                   --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
+                   --implementations fp8_block_fused,fp8_block_fused_ring_scales --out "$OUT/recipes_ring";;
     plain_probe) step probe_plain "${PROBE_TIMEOUT:-240}" python scripts/probe_plain.py --out "$OUT/probe_plain";;
     wgrad_probe) step probe_wgrad "${PROBE_TIMEOUT:-240}" python scripts/probe_wgrad.py --out "$OUT/probe_wgrad";;
     ptxas_tests) TE_FUSED_MOE_PTXAS=toolkit step pytest_ptxas_toolkit "${FP8_TESTS_TIMEOUT:-270}" python -m pytest \
