@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -12,10 +12,14 @@
 # (GPT-OSS's 2880, graph replay, dispatch), then the recipes' MLP benchmark at the GPT-OSS shape (the
 # per-kernel timings call the kernels at unpadded sizes, so they are off); padded_profile: the kernels of that
 # MLP (both recipes and BF16 fused) under torch.profiler (scripts/profile_mlp.py).
-# ring_scales: wgmma_ws.RING_SCALES' GPU check (ring against loads, bitwise), the FP8 block GPU tests with it on,
-# the plain probe's ring_scales and load_scales variants, then the MLP with and without it (no kernel table).
+# ring_check: wgmma_ws.RING_SCALES' GPU check (ring against loads, bitwise), the plain probe's ring_scales and
+# load_scales variants, then the MLP with and without it (no kernel table). ring_tests: the FP8 block GPU tests
+# with it on.
 # plain_probe: the plain FP8 block GEMM at DSv3's four token GEMM shapes as it ships, with its promotion an FADD,
 # and with no promotion (one wgmma chain), against cuBLAS FP8 (scripts/probe_plain.py).
+# mxfp8_values: MXFP8's quantize passes and epilogues writing BF16 values (autograd.QUANTIZE_TO_VALUES): its GPU
+# tests, then the MLP at DSv3 with and without it, each with and without the weight cache's BF16 values,
+# against both unfused paths (interleaved rounds, no kernel table).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
 # values (mxfp8.autograd.BF16_WEIGHT_VALUES), interleaved rounds, no kernel table.
 # dglu_bench: FP8 block's one-pass dGLU alone at GPT-OSS (scripts/bench_dglu_rows.py: both launch orders,
@@ -56,17 +60,17 @@ for s in $STEPS; do
     fp8_bench) step recipes_fp8_block "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
                  --shapes dsv3-e32 --rounds "${ROUNDS:-3}" ${FP8_ONLY:+--implementations "$FP8_ONLY"} \
                  --out "$OUT/recipes_fp8_block";;
-    ring_scales) step pytest_ring_scales "${WGMMA_TESTS_TIMEOUT:-240}" python -m pytest -m gpu -q -p no:cacheprovider \
-                   tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales
-                 step pytest_fp8_block_ring "${FP8_TESTS_TIMEOUT:-200}" python -c "import sys, pytest
+    ring_check) step pytest_ring_scales "${WGMMA_TESTS_TIMEOUT:-240}" python -m pytest -m gpu -q -p no:cacheprovider \
+                  tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales
+                step probe_plain_ring "${PROBE_TIMEOUT:-200}" python scripts/probe_plain.py \
+                  --variants ring_scales,load_scales --out "$OUT/probe_plain_ring"
+                step recipes_ring "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
+                  --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
+                  --implementations fp8_block_fused,fp8_block_fused_ring_scales --out "$OUT/recipes_ring";;
+    ring_tests) step pytest_fp8_block_ring "${FP8_TESTS_TIMEOUT:-200}" python -c "import sys, pytest
 import te_fused_moe.backends.triton.fp8_block.wgmma_ws as ws
 ws.RING_SCALES = True
-sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_triton_fp8_block_gpu.py']))"
-                 step probe_plain_ring "${PROBE_TIMEOUT:-200}" python scripts/probe_plain.py \
-                   --variants ring_scales,load_scales --out "$OUT/probe_plain_ring"
-                 step recipes_ring "${FP8_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes fp8_block \
-                   --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
-                   --implementations fp8_block_fused,fp8_block_fused_ring_scales --out "$OUT/recipes_ring";;
+sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_triton_fp8_block_gpu.py']))";;
     plain_probe) step probe_plain "${PROBE_TIMEOUT:-240}" python scripts/probe_plain.py --out "$OUT/probe_plain";;
     wgrad_probe) step probe_wgrad "${PROBE_TIMEOUT:-240}" python scripts/probe_wgrad.py --out "$OUT/probe_wgrad";;
     ptxas_tests) TE_FUSED_MOE_PTXAS=toolkit step pytest_ptxas_toolkit "${FP8_TESTS_TIMEOUT:-270}" python -m pytest \
@@ -92,6 +96,12 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                     step recipes_prefetch "${PREFETCH_BENCH_TIMEOUT:-200}" python scripts/bench_recipes.py \
                       --recipes fp8_block --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" \
                       --implementations fp8_block_fused,fp8_block_fused_no_tile_prefetch --out "$OUT/recipes_prefetch";;
+    mxfp8_values) step pytest_mxfp8_values "${MXFP8_TESTS_TIMEOUT:-200}" python -m pytest -m gpu -q -p no:cacheprovider \
+                    tests/gpu/test_triton_mxfp8_gpu.py -k "values or qv or no_host_syncs or graph"
+                  step recipes_mxfp8_values "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
+                    --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
+                    mxfp8_fused,mxfp8_unfused,mxfp8_fused_quantize_to_values,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights,mxfp8_fused_bf16_weights_quantize_to_values \
+                    --out "$OUT/recipes_mxfp8_values";;
     mxfp8_weights_bench) step recipes_mxfp8_bf16_weights "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                            --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
                            mxfp8_fused,mxfp8_unfused,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights \

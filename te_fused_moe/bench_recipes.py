@@ -265,7 +265,8 @@ def _fused_under(recipe: str, _path=_fused, **module_flags: Dict):
 
 
 # Variants: the expanding recipes' GEMMs expanding quantized operands in their K loops (no transient
-# BF16 values; the default before run 15), NVFP4's weight cache holding BF16 values, and the FP8 block
+# BF16 values; the default before run 15), NVFP4's and MXFP8's weight caches holding BF16 values, MXFP8's
+# quantize passes and epilogues writing BF16 values (QUANTIZE_TO_VALUES), and the FP8 block
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16;
 # at an FFN size off the tile, e.g. gpt-oss, FC1 and the dGLU then run as GLU passes + quantize passes
@@ -308,7 +309,12 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       # and unfused alike: the cache is not what fusion changes
                       "mxfp8_fused_bf16_weights": _fused_under("mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True)),
                       "mxfp8_unfused_bf16_weights": _fused_under("mxfp8", _unfused,
-                                                                 autograd=dict(BF16_WEIGHT_VALUES=True))},
+                                                                 autograd=dict(BF16_WEIGHT_VALUES=True)),
+                      # the quantize passes and epilogues writing BF16 values for the GEMMs of their pass
+                      # (fused only: the unfused path's quantize kernels write MXFP8 tensors, as TE's do)
+                      "mxfp8_fused_quantize_to_values": _fused_under("mxfp8", autograd=dict(QUANTIZE_TO_VALUES=True)),
+                      "mxfp8_fused_bf16_weights_quantize_to_values": _fused_under(
+                          "mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True, QUANTIZE_TO_VALUES=True))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

@@ -70,6 +70,9 @@ MLP_CASES = [
     # the weight cache keeping the weights' BF16 values, which the GEMMs read (autograd.BF16_WEIGHT_VALUES)
     ("gptoss-zipf-hybrid-bf16w", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, True, (), "HYBRID"),
     ("padded-swiglu-bf16w", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    # the quantize passes and epilogues writing BF16 values for the GEMMs of their pass (QUANTIZE_TO_VALUES)
+    ("swiglu-empty-pad-hybrid-qv", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "HYBRID"),
+    ("geglu-ptr-frozen-x-qv", 170, 128, 128, 3, "geglu", True, True, "zipf", 2, True, False, ("x", "probs"), "E4M3"),
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
@@ -183,6 +186,19 @@ def _diff8(a, b) -> int:
     return int((a.cpu().contiguous().view(torch.uint8) != b.cpu().contiguous().view(torch.uint8)).sum())
 
 
+def _copy_bad(data, r) -> int:
+    """Elements of a kernel's quantized copy ``data`` that differ from the reference's ``r`` (a
+    ``quantize.mxfp8`` result of the same shape): its FP8 codes' bytes, or, where the kernel wrote the
+    copy as BF16 values, those values against ``r`` dequantized (bits; NaN matches NaN)."""
+    from te_fused_moe.quantize import mxfp8 as ref
+
+    if data.dtype != torch.bfloat16:
+        return _diff8(data, r.data)
+    got, want = data.cpu().float(), ref.dequantize(r).float()
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+    return int((~same).sum())
+
+
 def check_quantize_kernels(device: str, seed: int = 0) -> dict:
     from moe_reference import make_counts
 
@@ -203,11 +219,16 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
         E = 4
         counts = make_counts(T, E, routing, generator=g, padding=11).to(device)
         sched = build_schedule(counts, T, 128)
+        # codes, then both copies written as their BF16 values (autograd.QUANTIZE_TO_VALUES)
         q = Q.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc)
+        qv = Q.quantize_rows(x, sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc, row_values=True,
+                             col_values=True)
         xr = x.cpu()
         r = ref.quantize(xr, axis=1, fp8_format=fmt)
         bad = {"row_data": _diff8(q.data, r.data), "row_scale": _diff8(q.scale, r.scale), "col_data": 0,
-               "col_scale": 0, "col_tail_nonzero": 0}
+               "col_scale": 0, "col_tail_nonzero": 0, "row_values": _copy_bad(qv.data, r),
+               "row_values_scale": _diff8(qv.scale, r.scale), "col_values": 0, "col_values_scale": 0,
+               "values_dtype": int(qv.data.dtype != torch.bfloat16) + int(qv.data_t.dtype != torch.bfloat16)}
         tab = schedule_table(sched, E).cpu()
         for grp in range(E + 1):
             ts, te_, rs, re_ = (int(v) for v in tab[:, grp])
@@ -216,9 +237,12 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
             rc = ref.quantize(xr[rs:re_], axis=0, fp8_format=fmt)
             bad["col_data"] += _diff8(Q.expert_columns(q.data_t, ts, re_ - rs).T, rc.data)
             bad["col_scale"] += _diff8(Q.expert_col_scales(q.scale_t, ts, re_ - rs), rc.scale)
-            # the slot's columns past the group's end are zero codes (the wgrad reads whole blocks)
-            tail = q.data_t[:, 128 * ts + (re_ - rs): 128 * te_].cpu().view(torch.uint8)
-            bad["col_tail_nonzero"] += int((tail != 0).sum())
+            bad["col_values"] += _copy_bad(Q.expert_columns(qv.data_t, ts, re_ - rs).T, rc)
+            bad["col_values_scale"] += _diff8(Q.expert_col_scales(qv.scale_t, ts, re_ - rs), rc.scale)
+            # the slot's columns past the group's end are zeros (the wgrad reads whole blocks)
+            for copy in (q.data_t, qv.data_t):
+                tail = copy[:, 128 * ts + (re_ - rs): 128 * te_].cpu().contiguous().view(torch.uint8)
+                bad["col_tail_nonzero"] += int((tail != 0).sum())
         w = _nasty(torch.randn(3 * 256, K, generator=g).to(dtype)).reshape(3, 256, K).to(device)
         qw = Q.quantize_weight(w, spec, alloc=poison_alloc)
         bad.update(w_data=0, w_scale=0, w_data_t=0, w_scale_t=0)
@@ -334,18 +358,68 @@ def check_weight_reads(device: str) -> dict:
     return out
 
 
+def check_values_in_pass(device: str, seed: int = 21) -> dict:
+    """The MLP's forward + backward with ``QUANTIZE_TO_VALUES`` on and off, on the same random problem
+    (HYBRID: E5M2 gradients; bias, probs, an empty expert, padding rows): the same bits in every output
+    and gradient (the GEMMs read the same values, only who writes them changes), and how many activation
+    expansion passes (2-D operands through ``expand_values``) each ran: 8 off, 2 on (x and a columnwise,
+    kept as FP8 for backward)."""
+    from moe_reference import random_problem
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton.mxfp8 import autograd
+    from te_fused_moe.recipes import Format, MXFP8BlockScaling
+
+    p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, bias=True, probs=True, routing="empty",
+                       padding=5, seed=seed)
+    dy = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
+    shipped_expand, shipped_flag = autograd.expand_values, autograd.QUANTIZE_TO_VALUES
+    dims = []
+
+    def spy(data, scale, alloc=torch.empty):
+        dims.append(data.dim())
+        return shipped_expand(data, scale, alloc=alloc)
+
+    out, results = {}, {}
+    autograd.expand_values = spy
+    try:
+        for flag in (False, True):
+            autograd.QUANTIZE_TO_VALUES = flag
+            dims.clear()
+            leaves = {k: p[k].detach().clone().requires_grad_() for k in ("x", "w1", "w2", "b1", "b2", "probs")}
+            y = fused_moe_mlp(leaves["x"], p["tokens_per_expert"], leaves["w1"], leaves["w2"], b1=leaves["b1"],
+                              b2=leaves["b2"], probs=leaves["probs"], activation="swiglu",
+                              recipe=MXFP8BlockScaling(fp8_format=Format.HYBRID), backend="triton")
+            y.backward(dy)
+            results[flag] = {"y": y.detach(), **{k: t.grad for k, t in leaves.items()}}
+            out[f"activation_expansions_{flag}"] = dims.count(2)
+    finally:
+        autograd.expand_values, autograd.QUANTIZE_TO_VALUES = shipped_expand, shipped_flag
+    out["bad"] = {k: _diff8(results[False][k], results[True][k]) for k in results[False]}
+    out["nan"] = sum(int(torch.isnan(t).sum()) for t in results[True].values())
+    return out
+
+
+def assert_values_in_pass(r: dict) -> None:
+    assert r["activation_expansions_False"] == 8 and r["activation_expansions_True"] == 2, r
+    assert len(r["bad"]) == 7 and all(v == 0 for v in r["bad"].values()) and r["nan"] == 0, r
+
+
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
 
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
                         T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False,
-                        h_dtype: torch.dtype = torch.float32) -> dict:
+                        h_dtype: torch.dtype = torch.float32, written_values: bool = False) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
     multiplies that PyTorch reproduces bit for bit. ``fmt`` is the format of a, dy and dh;
     ``epilogue``, ``plain``, ``wgrad``: overrides of the FC1 / dGLU, FC2 / dgrad and wgrad configs
     (e.g. ``block_n=128, split_epilogue=False``); ``values``: every GEMM reads its operands as the BF16
-    values an expansion pass writes before it (``autograd.read_expanded``), as the fused path does.
+    values an expansion pass writes before it (``autograd.read_expanded``), as the fused path does;
+    ``written_values`` too, the quantize passes and epilogues writing those values themselves where the
+    fused path's GEMMs of the same pass read them (``autograd.QUANTIZE_TO_VALUES``: x, a rowwise; dy, dh
+    both ways).
     ``h_dtype`` BF16: h is saved rounded (FC1, one kernel, acts on the FP32 sums); the dGLU reads
     that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too."""
     import dataclasses
@@ -372,10 +446,12 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     wspec, spec = Q.MXSpec(), Q.MXSpec.of(fmt)
     sched = build_schedule(d(counts, torch.int64), T, 128)
     tiles = max_m_tiles(T, E, 128)
-    xq = Q.quantize_rows(d(x), sched, E, wspec, rowwise=True, colwise=True, alloc=poison_alloc)
+    both = dict(row_values=written_values, col_values=written_values)
+    xq = Q.quantize_rows(d(x), sched, E, wspec, rowwise=True, colwise=True, alloc=poison_alloc,
+                         row_values=written_values)
     w1q, w2q = Q.quantize_weight(d(w1), wspec), Q.quantize_weight(d(w2), wspec)
     h = poisoned(torch.empty(T, n1, device=device, dtype=h_dtype))
-    aq = new_rows(T, F, h, spec, E, True, True, alloc=poison_alloc)
+    aq = new_rows(T, F, h, spec, E, True, True, alloc=poison_alloc, row_values=written_values)
     p = d(probs, torch.float32)
     read = read_expanded if values else as_quantized
     cols = lambda q: MXRows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
@@ -387,8 +463,8 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     wcfg = dataclasses.replace(wgrad_default(values), **(wgrad or {}))
     gemm.launch("fc2", read(aq.data, aq.scale), aq.scale, read(w2q.data, w2q.scale), w2q.scale, H, sched, E, wspec,
                 c=y, config=pcfg)
-    dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc)
-    dhq = new_rows(T, n1, h, spec, E, True, True, alloc=poison_alloc)
+    dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc, **both)
+    dhq = new_rows(T, n1, h, spec, E, True, True, alloc=poison_alloc, **both)
     dprob = poisoned(torch.empty(F // cfg.block_n, T, device=device))
     dbias = poisoned(torch.empty(tiles, n1, device=device))
     gemm.launch("dact", read(dyq.data, dyq.scale), dyq.scale, read(w2q.data_t, w2q.scale_t), w2q.scale_t, F, sched,
@@ -426,8 +502,10 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     dg32[routed:] = 0
     qz = lambda t, axis: ref.quantize(t, axis=axis, fp8_format=fmt)
     ra, rdh = qz(a32, 1), qz(dg32, 1)
-    bad["a_row"] = _diff8(aq.data, ra.data) + _diff8(aq.scale, ra.scale)
-    bad["dh_row"] = _diff8(dhq.data, rdh.data) + _diff8(dhq.scale, rdh.scale)
+    bad["a_row"] = _copy_bad(aq.data, ra) + _diff8(aq.scale, ra.scale)
+    bad["dh_row"] = _copy_bad(dhq.data, rdh) + _diff8(dhq.scale, rdh.scale)
+    bad["written_values"] = sum(t.dtype == torch.bfloat16 for t in (xq.data, aq.data, dyq.data, dyq.data_t, dhq.data,
+                                                                     dhq.data_t))
     deq = lambda q: ref.dequantize(q, torch.float64)
 
     def far(out, a, b):
@@ -439,10 +517,10 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
         if re_ == rs:
             continue
         rc = qz(a32[rs:re_], 0)
-        bad["a_col"] += (_diff8(Q.expert_columns(aq.data_t, ts, re_ - rs).T, rc.data)
+        bad["a_col"] += (_copy_bad(Q.expert_columns(aq.data_t, ts, re_ - rs).T, rc)
                          + _diff8(Q.expert_col_scales(aq.scale_t, ts, re_ - rs), rc.scale))
         rc = qz(dg32[rs:re_], 0)
-        bad["dh_col"] += (_diff8(Q.expert_columns(dhq.data_t, ts, re_ - rs).T, rc.data)
+        bad["dh_col"] += (_copy_bad(Q.expert_columns(dhq.data_t, ts, re_ - rs).T, rc)
                           + _diff8(Q.expert_col_scales(dhq.scale_t, ts, re_ - rs), rc.scale))
         if grp == E:
             continue
@@ -488,12 +566,14 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
     dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if case_id.endswith("-sepdglu") else "fused"
-    values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, case_id.endswith("-bf16w")
+    values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
+    written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, case_id.endswith("-qv")
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
+        autograd.QUANTIZE_TO_VALUES = written
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
 
@@ -552,6 +632,10 @@ def sm90_build_report() -> dict:
                       EXPAND=cfg.expand_bf16, A_BF16=values, B_BF16=values, BM=128, BN=cfg.block_n, BK=bk,
                       GROUP_M=cfg.group_m)
         report[name] = build(gemm.mx_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
+        if values and quant:  # the epilogue writing the copies its pass's GEMMs read as values (QUANTIZE_TO_VALUES)
+            written = dict(types, q_ptr="*bf16", qt_ptr="*bf16" if mode == MODE_DACT else "*u8")
+            report[f"{name}_written"] = build(gemm.mx_grouped_gemm_kernel, written, consts, cfg.num_warps,
+                                              cfg.num_stages)
     # the dGLU's epilogue alone (gemm.DACT_EPILOGUE = "separate"): no K loop, so no wgmma
     cfg = gemm.default_config("dact", True)
     consts.update(MODE=MODE_DACT, ACT=ACT_IDS["swiglu"], GATED=True, WRITE_DPROB=True, WRITE_DBIAS=True, ROWWISE=True,
@@ -575,6 +659,11 @@ def sm90_build_report() -> dict:
                                                                   qt_ptr="*u8", qts_ptr="*u8", colsum_ptr="*fp32",
                                                                   sched_ptr="*i32"),
                                     dict(ROWWISE=True, COLWISE=True, COLSUM=True, **spec, BM=128, BK=Q.QUANT_COLS))
+    report["quantize_rows_values"] = build(Q.quantize_tiles_kernel, dict(x_ptr="*bf16", q_ptr="*bf16", qs_ptr="*u8",
+                                                                         qt_ptr="*bf16", qts_ptr="*u8",
+                                                                         colsum_ptr="*fp32", sched_ptr="*i32"),
+                                           dict(ROWWISE=True, COLWISE=True, COLSUM=True, **spec, BM=128,
+                                                BK=Q.QUANT_COLS))
     report["quantize_weight"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", q_ptr="*u8", s_ptr="*u8",
                                                                      qt_ptr="*u8", st_ptr="*u8"),
                                       dict(**spec, TRANSPOSED=True, BLK=128))
@@ -591,6 +680,7 @@ def _worker() -> None:
         "quantize": check_quantize_kernels("cpu"),
         "cache": check_weight_cache("cpu"),
         "weight_reads": check_weight_reads("cpu"),
+        "values_in_pass": check_values_in_pass("cpu"),
         "exact": check_kernels_exact("cpu"),
         "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
         "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
@@ -608,6 +698,11 @@ def _worker() -> None:
         # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE), on BF16 values and FP8 operands
         "exact_values_separate_dglu": check_kernels_exact("cpu", seed=7, values=True,
                                                           epilogue=dict(epilogue="separate")),
+        # the quantize passes and epilogues writing those values themselves (autograd.QUANTIZE_TO_VALUES)
+        "exact_written_values": check_kernels_exact("cpu", seed=10, values=True, written_values=True),
+        "exact_written_values_ptr_e5m2_separate_dglu": check_kernels_exact(
+            "cpu", seed=11, use_tma=False, fmt="e5m2", T=200, H=128, values=True, written_values=True,
+            epilogue=dict(epilogue="separate")),
         "exact_separate_dglu": check_kernels_exact("cpu", seed=8, T=200, H=128, epilogue=dict(epilogue="separate")),
         "exact_separate_dglu_bf16_h": check_kernels_exact("cpu", seed=9, H=512, h_dtype=torch.bfloat16,
                                                           epilogue=dict(epilogue="separate")),
@@ -672,6 +767,10 @@ def test_cached_weight_values_replace_the_expansions(results):
     assert_weight_reads(results["weight_reads"])
 
 
+def test_quantize_passes_write_the_values_their_gemms_read(results):
+    assert_values_in_pass(results["values_in_pass"])
+
+
 def assert_weight_reads(r: dict) -> None:
     assert r["weight_expansions_True"] == 0 and r["weight_expansions_False"] == 4, r
     assert r["activation_expansions_True"] == r["activation_expansions_False"] > 0 and r["dx_bad"] == 0, r
@@ -679,6 +778,7 @@ def assert_weight_reads(r: dict) -> None:
 
 @pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand",
                                  "exact_values", "exact_values_ptr_e5m2", "exact_values_separate_dglu",
+                                 "exact_written_values", "exact_written_values_ptr_e5m2_separate_dglu",
                                  "exact_separate_dglu", "exact_separate_dglu_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
@@ -687,6 +787,7 @@ def test_every_kernel_bit_exact_on_integer_data(results, key):
         assert 0 in bad["counts"], bad  # and experts without tokens
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)
+    assert bad["written_values"] == (6 if "written_values" in key else 0), bad
     if key.endswith("bf16_h"):  # the BF16 rounding of h and da moved values, so the check tells them apart
         assert bad["h_rounded"] > 0 and bad["da_rounded"] > 0, bad
 

@@ -62,6 +62,22 @@ def test_cached_weight_values_replace_the_expansions_gpu():
     checks.assert_weight_reads(checks.check_weight_reads("cuda"))
 
 
+def test_quantize_passes_write_the_values_their_gemms_read_gpu():
+    checks.assert_values_in_pass(checks.check_values_in_pass("cuda"))
+
+
+@pytest.mark.parametrize("tma,fmt,dglu", [(True, "e4m3", "fused"), (False, "e5m2", "separate")],
+                         ids=["tma", "ptr-e5m2-dglu-separate"])
+def test_written_values_exact_on_integer_data_gpu(tma, fmt, dglu):
+    # the quantize passes and epilogues writing the BF16 values the GEMMs of their pass read
+    bad = checks.check_kernels_exact("cuda", seed=10, use_tma=tma, fmt=fmt, values=True, written_values=True,
+                                     epilogue=dict(epilogue=dglu))
+    print("MXFP8_EXACT_WRITTEN_VALUES", json.dumps(bad))
+    for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
+        assert bad[name] == 0, (name, bad)
+    assert bad["written_values"] == 6, bad
+
+
 def test_separate_dglu_reads_bf16_da_exactly_gpu():
     """The dGLU's GEMM writes da in h's dtype (BF16 here) for the epilogue alone; exact against it."""
     bad = checks.check_kernels_exact("cuda", seed=9, H=512, h_dtype=torch.bfloat16, epilogue=dict(epilogue="separate"))
@@ -120,6 +136,8 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     # the weight cache keeping the weights' BF16 values (autograd.BF16_WEIGHT_VALUES), padded and not
     ("swiglu-zipf-hybrid-bf16w", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     ("gptoss-2880-padded-bf16w", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (), "E4M3"),
+    # the quantize passes and epilogues writing BF16 values for the GEMMs of their pass (QUANTIZE_TO_VALUES)
+    ("swiglu-zipf-hybrid-bf16w-qv", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)
     ("gptoss-2880-padded", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), "E4M3"),
 ]

@@ -79,6 +79,10 @@ class RecipeKernels:
     # and up halves wherever F falls): the zero-padded path then forms and quantizes ``a`` there
     # (:mod:`.padded`), else in passes of its own
     fc1_off_tile: Callable[[], bool] = lambda: False
+    # whether the quantize passes and the quantizing epilogues write the copies that GEMMs of the same
+    # pass read as BF16 values instead of FP8 codes, now (MXFP8's ``QUANTIZE_TO_VALUES``): x and a
+    # rowwise, dy and dh both ways; the copies kept for backward (x, a columnwise) stay FP8
+    values_in_pass: Callable[[], bool] = lambda: False
     # the dGLU + quantize of dh in one pass for that path, now (``fp8_block.dglu_rows.dglu_quantized``'s
     # signature); None: the GLU pass writes FP32 dh for the recipe's quantize pass
     dglu_off_tile: Callable[[], Optional[Callable]] = lambda: None
@@ -119,6 +123,12 @@ def read_weight(read: Callable, w, transposed: bool = False) -> torch.Tensor:
     if values is not None and read is not as_quantized:
         return values
     return read(w.data_t, w.scale_t) if transposed else read(w.data, w.scale)
+
+
+def as_values(on: bool, rowwise: bool = False, colwise: bool = False) -> dict:
+    """Keyword arguments asking a recipe's ``quantize_rows`` / ``new_rows`` for copies written as BF16 values
+    (``RecipeKernels.values_in_pass``); none where ``on`` is False (the recipes that always write codes)."""
+    return dict(row_values=rowwise, col_values=colwise) if on else {}
 
 
 def new_buffer(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -187,6 +197,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         y = new_buffer((num_rows, hidden), x)
         ctx.act, ctx.grad_spec, ctx.kernels = act, grad_spec, k
         ctx.read = read = k.operand_reader()
+        ctx.values = values = k.values_in_pass()
         if num_rows == 0:
             ctx.empty = True
             ctx.save_for_backward(x, w1, w2, probs)
@@ -195,9 +206,10 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         schedule = build_schedule(tokens_per_expert, num_rows, k.tile)
         w1q = k.weight_cache.get(w1, spec)
         w2q = k.weight_cache.get(w2, spec)
-        xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=ALLOC)
+        xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=ALLOC,
+                             **as_values(values, rowwise=True))
         h = new_buffer((num_rows, n1), x, H_DTYPE or x.dtype)
-        aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC)
+        aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC, **as_values(values, rowwise=True))
         k.gemm.launch("fc1", read(xq.data, xq.scale), xq.scale, read_weight(read, w1q), w1q.scale, ffn, schedule,
                       num_experts, spec, q=aq, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn,
                       probs=probs, **act)
@@ -226,10 +238,11 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         # the dy quantize pass also writes per-tile column sums of dy: db2 without another read of dy
         db2_parts = new_buffer((m_tiles, hidden), like, torch.float32) if need[5] else None
         dyq = k.quantize_rows(dy, schedule, num_experts, spec, rowwise=need_dact, colwise=need[3], alloc=ALLOC,
-                              col_sums=db2_parts)
+                              col_sums=db2_parts, **as_values(ctx.values, True, True))
         dhq = None
         if need_dact:
-            dhq = k.new_rows(num_rows, n1, like, spec, num_experts, need[0], need[2], ALLOC)
+            dhq = k.new_rows(num_rows, n1, like, spec, num_experts, need[0], need[2], ALLOC,
+                             **as_values(ctx.values, True, True))
             cfg = k.gemm.default_config("dact", read is not as_quantized)
             dprob_buf = new_buffer((triton.cdiv(ffn, cfg.block_n), num_rows), like, torch.float32) if want_dprob else None
             dbias_buf = new_buffer((m_tiles, n1), like, torch.float32) if need[4] else None

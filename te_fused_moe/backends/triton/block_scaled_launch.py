@@ -47,6 +47,12 @@ def quantized_copies(q) -> tuple:
     return q is not None and q.data is not None, q is not None and q.data_t is not None
 
 
+def codes_or_values(t: torch.Tensor) -> torch.Tensor:
+    """A quantized copy's buffer as the kernels store into it: FP8 codes as uint8, BF16 values (MXFP8's
+    copies written as values, ``mxfp8.quantize.store_mx``) as they are."""
+    return t if t.dtype == torch.bfloat16 else t.view(torch.uint8)
+
+
 def or_dummy(t: Optional[torch.Tensor], dummy: torch.Tensor, *dims: int) -> tuple:
     """``t`` and its strides ``dims``, or the dummy with zero strides."""
     if t is None:
@@ -79,11 +85,11 @@ def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: tor
                     bias_up_offset: int = 0, probs=None, dprob=None, dbias=None) -> tuple:
     """The arguments from ``a_src`` to ``stride_dbias_t`` of ``fp8_grouped_gemm_kernel`` and
     ``mx_grouped_gemm_kernel``. ``q``: quantized-rows buffers (``data``, ``scale``, ``data_t``,
-    ``scale_t``); its present copies are written, as uint8 codes."""
+    ``scale_t``); its present copies are written, as uint8 codes (or BF16 values, :func:`codes_or_values`)."""
     dummy = a_scale
     rowwise, colwise = quantized_copies(q)
-    q_data = q.data.view(torch.uint8) if rowwise else (q.data_t.view(torch.uint8) if colwise else a.view(torch.uint8))
-    qt_data = q.data_t.view(torch.uint8) if colwise else q_data
+    q_data = codes_or_values(q.data) if rowwise else (codes_or_values(q.data_t) if colwise else a.view(torch.uint8))
+    qt_data = codes_or_values(q.data_t) if colwise else q_data
     return (
         a_src, a.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1),
         b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],

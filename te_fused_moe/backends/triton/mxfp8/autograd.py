@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
 from .. import block_scaled
 from ..block_scaled import RecipeKernels, as_quantized
 from ..fp8_block.wgrad import tile_sums_to_experts
@@ -31,6 +33,11 @@ EXPAND_BEFORE_GEMM = True
 # DSv3 E = 32 that expansion is 3.2 ms of each forward + backward (run 31). Costs twice the BF16
 # weights' bytes on top of the FP8 copies, so it is opt-in (as ``nvfp4.autograd.BF16_WEIGHT_VALUES``).
 BF16_WEIGHT_VALUES = False
+# With EXPAND_BEFORE_GEMM, the quantize passes and the FC1 / dGLU epilogues write the copies that a GEMM
+# of the same pass reads (x and a rowwise; dy and dh both ways) as their BF16 values instead of FP8
+# codes (``quantize.store_mx``): six of the eight activation expansion passes go, for a BF16 write in
+# place of an FP8 one. The copies kept for backward (x, a columnwise) stay FP8 and are expanded there.
+QUANTIZE_TO_VALUES = False
 # FC1 at an FFN size off the tile (padded.py): True = its one kernel (weight scales per row, so the up
 # half may start at any row of w1); False = the plain GEMM + GLU pass + quantize pass (before session 21)
 FC1_OFF_TILE = True
@@ -38,7 +45,9 @@ FC1_OFF_TILE = True
 
 def read_expanded(data, scale, columnwise: bool = False):
     """An operand's exact BF16 values (``columnwise``: a ``data_t`` copy, whose scales are ``scale_t``
-    seen transposed), for the GEMM launched next."""
+    seen transposed), for the GEMM launched next; a copy written as values already is read as it is."""
+    if data.dtype == torch.bfloat16:
+        return data
     return expand_values(data, scale.t() if columnwise else scale, alloc=block_scaled.ALLOC)
 
 
@@ -70,6 +79,7 @@ KERNELS = RecipeKernels(
     quantize_rows=quantize_rows, new_rows=new_rows, rows=MXRows, gemm=gemm, grouped_wgrad=mx_grouped_wgrad,
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_mxfp8,
     operand_reader=operand_reader, fc1_off_tile=lambda: FC1_OFF_TILE,
+    values_in_pass=lambda: EXPAND_BEFORE_GEMM and QUANTIZE_TO_VALUES,
 )
 check_shapes = KERNELS.check_shapes
 mxfp8_expert_mlp = KERNELS.expert_mlp

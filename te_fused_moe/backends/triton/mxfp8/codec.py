@@ -10,6 +10,8 @@ the same rules on the FP32 bits under the interpreter).
 import triton
 import triton.language as tl
 
+from ..fp8_block.codec import NATIVE_CVT
+
 
 @triton.jit
 def e8m0_encode(v):
@@ -62,3 +64,16 @@ def expand_bf16(v, codes, ROWS: tl.constexpr, COLS: tl.constexpr, UPCAST: tl.con
     if UPCAST:
         return x
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def decode_fp8(codes, MANT: tl.constexpr):
+    """FP32 values of the uint8 FP8 codes our encoder writes (``encode_fp8``: satfinite, so no
+    infinities; NaN as 0x7F). The interpreter reads E4M3 as having no NaN, hence the select there."""
+    if MANT == 3:
+        v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        v = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+    if not NATIVE_CVT:
+        v = tl.where((codes & 0x7F) == 0x7F, float("nan"), v)
+    return v

@@ -54,7 +54,7 @@ from ..operand_tiles import k_block, operand_tiles
 from ..padded import padded_size
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import expand_bf16, mx_dequant_scale
-from .quantize import MX, TILE, MXSpec, quantize_colwise_block, quantize_rowwise_block
+from .quantize import MX, TILE, MXSpec, store_mx
 
 EXPAND_BLOCK_K = 128  # K step of the expand_bf16 loop: four scale blocks
 # The GEMMs' default inner loop: BF16 wgmma on exactly expanded operands (True) or FP8 wgmma per 32-K
@@ -117,30 +117,6 @@ def default_config(kind: str, bf16_operands: bool = False) -> MXGemmConfig:
 
 
 @triton.jit
-def _store_mx(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
-              qts_ptr, stride_qtsb, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr,
-              EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr):
-    """MXFP8-quantize the FP32 tile ``v`` [BM rows, BN columns ``cols``] (rows past the group's end
-    ignored): rowwise 1x32 blocks and/or 32-token blocks stored transposed into the tile's slot."""
-    mask = row_ok[:, None]
-    v = tl.where(mask, v, 0.0)
-    col0 = tl.min(cols, axis=0)
-    if ROWWISE:
-        codes, sc = quantize_rowwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
-        kb = col0 // 32 + tl.arange(0, BN // 32)
-        tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=mask)
-    if COLWISE:
-        codes_c, sc_c = quantize_colwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-        codes_c = tl.where(mask, codes_c, 0).to(tl.uint8)
-        slot = tile * BM + tl.arange(0, BM)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :], tl.trans(codes_c))
-        tb = tile * (BM // 32) + tl.arange(0, BM // 32)
-        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_c)
-
-
-@triton.jit
 def _fc1_part(acc, acc_up, cols, rows64, row_ok, N, p, expert, is_padding, tile, group, NUM_GROUPS, h_ptr, stride_hm,
               h_up_offset, bias_ptr, stride_bias_e, bias_up_offset, alpha, limit, q_ptr, stride_qm, qs_ptr, stride_qsm,
               stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ACT: tl.constexpr, GATED: tl.constexpr,
@@ -165,7 +141,7 @@ def _fc1_part(acc, acc_up, cols, rows64, row_ok, N, p, expert, is_padding, tile,
         value = act_forward(acc, acc, alpha, limit, ACT)
     # zeros on the padding group and past N (FC1 at an F off the tile: zero codes there, padded.py)
     value = tl.where(bias_mask[None, :], value * p[:, None], 0.0)
-    _store_mx(value, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+    store_mx(value, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
               qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
 
 
@@ -189,11 +165,11 @@ def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_h
         if GATED:
             tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
     dg = tl.where(is_padding, 0.0, dg)
-    _store_mx(dg, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+    store_mx(dg, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
               qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
     if GATED:
         du = tl.where(is_padding, 0.0, du)
-        _store_mx(du, rows64, row_ok, cols + q_up_offset, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
+        store_mx(du, rows64, row_ok, cols + q_up_offset, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
                   qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM,
                   BN)
     return part

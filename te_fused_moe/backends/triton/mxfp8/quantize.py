@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block_scaled_launch import copies_width
+from ..block_scaled_launch import codes_or_values, copies_width
 from ..fp8_block.codec import encode_fp8, nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, tile_rows, total_tiles
-from .codec import expand_bf16, mx_scale
+from .codec import decode_fp8, expand_bf16, mx_dequant_scale, mx_scale
 
 MX = 32  # elements per scale block
 TILE = 128  # schedule M tile
@@ -114,14 +114,17 @@ class MXRows:
 
 
 def new_rows(num_rows: int, width: int, like: torch.Tensor, spec: "MXSpec", num_experts: int, rowwise: bool,
-             colwise: bool, alloc=torch.empty) -> MXRows:
-    """Buffers of a quantized activation that a GEMM epilogue fills (the copies asked for)."""
+             colwise: bool, alloc=torch.empty, *, row_values: bool = False, col_values: bool = False) -> MXRows:
+    """Buffers of a quantized activation that a GEMM epilogue or a quantize pass fills (the copies asked
+    for). ``row_values`` / ``col_values``: that copy holds the quantized values in BF16 instead of the
+    FP8 codes (:func:`store_mx`; its scales are kept too)."""
+    dtype = lambda values: torch.bfloat16 if values else spec.torch_dtype
     q = MXRows()
     if rowwise:
-        q.data = alloc((num_rows, width), device=like.device, dtype=spec.torch_dtype)
+        q.data = alloc((num_rows, width), device=like.device, dtype=dtype(row_values))
         q.scale = new_row_scales(num_rows, width, like, alloc)
     if colwise:
-        q.data_t = new_transposed(width, num_rows, num_experts, like, spec.torch_dtype, alloc)
+        q.data_t = new_transposed(width, num_rows, num_experts, like, dtype(col_values), alloc)
         q.scale_t = new_col_scales(width, num_rows, num_experts, like, alloc)
     return q
 
@@ -148,6 +151,48 @@ def quantize_colwise_block(v, BM: tl.constexpr, BN: tl.constexpr, MANT: tl.const
 
 
 @triton.jit
+def values_of(codes, scales, MANT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """BF16 values of FP8 ``codes`` [ROWS, COLS] with E8M0 ``scales`` [ROWS, COLS / 32]: what
+    :func:`expand_values` makes of them, without the FP8 round trip through memory."""
+    x = tl.reshape(decode_fp8(codes, MANT), (ROWS, COLS // 32, 32)) * mx_dequant_scale(scales)[:, :, None]
+    return tl.reshape(x, (ROWS, COLS)).to(tl.bfloat16)
+
+
+@triton.jit
+def store_mx(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
+             qts_ptr, stride_qtsb, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr,
+             EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr):
+    """MXFP8-quantize the FP32 tile ``v`` [BM rows, BN columns ``cols``] of schedule M tile ``tile``
+    (rows past the group's end ignored): rowwise 1x32 blocks and/or 32-token blocks stored transposed
+    into the tile's slot (zeros past the group's end). A copy whose buffer is BF16 receives the
+    quantized values (code times scale, exact in BF16) instead of the codes: what the GEMM reading
+    values takes, so no expansion pass runs before it. The scales are stored either way."""
+    mask = row_ok[:, None]
+    v = tl.where(mask, v, 0.0)
+    col0 = tl.min(cols, axis=0)
+    if ROWWISE:
+        codes, sc = quantize_rowwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        if q_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], values_of(codes, sc, MANT, BM, BN), mask=mask)
+        else:
+            tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+        kb = col0 // 32 + tl.arange(0, BN // 32)
+        tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=mask)
+    if COLWISE:
+        codes_c, sc_c = quantize_colwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        codes_t = tl.trans(tl.where(mask, codes_c, 0).to(tl.uint8))
+        slot = tile * BM + tl.arange(0, BM)
+        qt_ptrs = qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :]
+        if qt_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(qt_ptrs, values_of(codes_t, tl.trans(sc_c), MANT, BN, BM))
+        else:
+            tl.store(qt_ptrs, codes_t)
+        tb = tile * (BM // 32) + tl.arange(0, BM // 32)
+        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_c)
+
+
+@triton.jit
 def quantize_tiles_kernel(
     x_ptr, stride_xm,
     q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
@@ -159,9 +204,9 @@ def quantize_tiles_kernel(
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """One program per (schedule M tile, ``BK`` columns): 1x32 rowwise blocks and, with ``COLWISE``,
-    32-token blocks inside the tile (the tile's rows belong to one group); with ``COLSUM`` the tile's
-    FP32 column sums (bias gradients). ``K`` columns are written, x's first ``X_COLS`` (<= K) read:
-    the rest as zeros."""
+    32-token blocks inside the tile (the tile's rows belong to one group), as codes or values
+    (:func:`store_mx`); with ``COLSUM`` the tile's FP32 column sums (bias gradients). ``K`` columns
+    are written, x's first ``X_COLS`` (<= K) read: the rest as zeros."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
@@ -176,18 +221,8 @@ def quantize_tiles_kernel(
                 other=0.0).to(tl.float32)
     if COLSUM:
         tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0))
-    if ROWWISE:
-        codes, sc = quantize_rowwise_block(x, BM, BK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-        tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
-        kb = pid_k * (BK // 32) + tl.arange(0, BK // 32)
-        tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
-    if COLWISE:
-        codes_c, sc_c = quantize_colwise_block(x, BM, BK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-        codes_c = tl.where(row_ok[:, None], codes_c, 0).to(tl.uint8)
-        slot = pid_m * BM + tl.arange(0, BM)  # the tile's own 128 columns; zeros past the group's end
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + slot[None, :], tl.trans(codes_c))
-        tb = pid_m * (BM // 32) + tl.arange(0, BM // 32)
-        tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_c)
+    store_mx(x, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtk,
+             qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BK)
 
 
 @triton.jit
@@ -226,11 +261,12 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: MXSpec, *, rowwise: bool = True,
                   colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None,
-                  width: Optional[int] = None) -> MXRows:
+                  width: Optional[int] = None, row_values: bool = False, col_values: bool = False) -> MXRows:
     """MXFP8-quantize ``x [T, K]`` (rows grouped by expert; ``schedule`` from ``build_schedule(counts, T, 128)``)
     rowwise (1x32 along K) and/or columnwise (32 tokens per block, restarting at each expert).
     ``col_sums`` (FP32 ``[max_m_tiles, K]``), if given, receives each tile's column sums of ``x``.
-    ``width`` (>= K, default K): the copies' width, x zero-padded to it (``padded.py``) without a copy."""
+    ``width`` (>= K, default K): the copies' width, x zero-padded to it (``padded.py``) without a copy.
+    ``row_values`` / ``col_values``: that copy is written as its quantized values in BF16 (:func:`new_rows`)."""
     num_rows, x_cols = x.shape
     k = copies_width(x, width)
     if x.stride(1) != 1:
@@ -241,18 +277,14 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     if num_rows == 0 or not (rowwise or colwise or col_sums is not None):
         return out
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
-    if rowwise:
-        out.data = alloc((num_rows, k), device=x.device, dtype=spec.torch_dtype)
-        out.scale = new_row_scales(num_rows, k, x, alloc)
-    if colwise:
-        out.data_t = new_transposed(k, num_rows, num_experts, x, spec.torch_dtype, alloc)
-        out.scale_t = new_col_scales(k, num_rows, num_experts, x, alloc)
+    out = new_rows(num_rows, k, x, spec, num_experts, rowwise, colwise, alloc, row_values=row_values,
+                   col_values=col_values)
     dummy = x.view(torch.uint8)
     quantize_tiles_kernel[(m_tiles, k // QUANT_COLS)](
         x, x.stride(0),
-        _codes(out.data) if rowwise else dummy, out.data.stride(0) if rowwise else 0,
+        codes_or_values(out.data) if rowwise else dummy, out.data.stride(0) if rowwise else 0,
         out.scale if rowwise else dummy, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
-        _codes(out.data_t) if colwise else dummy, out.data_t.stride(0) if colwise else 0,
+        codes_or_values(out.data_t) if colwise else dummy, out.data_t.stride(0) if colwise else 0,
         out.scale_t if colwise else dummy, out.scale_t.stride(0) if colwise else 0,
         col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
         schedule, k, x_cols, num_experts + 1,
