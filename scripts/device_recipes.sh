@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [mx_quantize_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -20,6 +20,8 @@
 # mxfp8_values: MXFP8's quantize passes and epilogues writing BF16 values (autograd.QUANTIZE_TO_VALUES): its GPU
 # tests, then the MLP at DSv3 with and without it, each with and without the weight cache's BF16 values,
 # against both unfused paths (interleaved rounds, no kernel table).
+# mx_quantize_probe: MXFP8's quantize pass at DSv3's x, its two kernels and their configs, codes and values
+# (scripts/probe_mx_quantize.py).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
 # values (mxfp8.autograd.BF16_WEIGHT_VALUES), interleaved rounds, no kernel table.
 # dglu_bench: FP8 block's one-pass dGLU alone at GPT-OSS (scripts/bench_dglu_rows.py: both launch orders,
@@ -102,6 +104,8 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                     --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
                     mxfp8_fused,mxfp8_unfused,mxfp8_fused_quantize_to_values,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights,mxfp8_fused_bf16_weights_quantize_to_values \
                     --out "$OUT/recipes_mxfp8_values";;
+    mx_quantize_probe) step probe_mx_quantize "${PROBE_TIMEOUT:-120}" python scripts/probe_mx_quantize.py \
+                         --out "$OUT/probe_mx_quantize";;
     mxfp8_weights_bench) step recipes_mxfp8_bf16_weights "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                            --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
                            mxfp8_fused,mxfp8_unfused,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights \

@@ -1,0 +1,97 @@
+"""MXFP8's quantize pass at DSv3's x / dy ([32768, 7168] BF16 in 32 balanced experts): its two kernels
+(``quantize.QUANTIZE_KERNEL``: "tiles", the shipped one, and "chunks", the tile's 32-row chunks in turn)
+at a few launch configs, for the copies the MLP asks of it, and the expansion pass whose work the
+values-writing modes take over (``autograd.QUANTIZE_TO_VALUES``). A measurement tool, not a test: the
+kernels' bytes are checked by the MXFP8 tests (both kernels, codes and values).
+
+Why: run 31's kernel table on an H100 had MXFP8's pass at 0.84 ms for both copies of x (1119 GB/s), 0.96 ms
+for the columnwise copy alone, against 0.39 ms for FP8 block's pass at the same size; the offline sm_90a
+builds count 64 SASS instructions per element for "tiles" (64 columns, 8 warps) against 34 for
+"chunks" (128 columns, 4 warps).
+
+Modes (what each quantize call of the MLP writes): ``x_codes`` row + column codes (FC1's operand and w1's
+wgrad operand, as shipped); ``x_values`` row values + column codes (QUANTIZE_TO_VALUES); ``dy_codes`` both
+copies' codes + per-tile column sums (db2); ``dy_values`` both as values + column sums; ``col_codes`` the
+columnwise copy alone; ``row_codes`` the rowwise copy alone. ``expand_row`` is the expansion pass of x's
+rowwise copy (what ``x_values`` saves, next to what it costs).
+
+  usage: python scripts/probe_mx_quantize.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from probe_results import write_and_print
+
+ROUTED, HIDDEN, EXPERTS = 32768, 7168, 32
+MODES = {  # rowwise, colwise, row_values, col_values, col_sums
+    "x_codes": (True, True, False, False, False),
+    "x_values": (True, True, True, False, False),
+    "dy_codes": (True, True, False, False, True),
+    "dy_values": (True, True, True, True, True),
+    "col_codes": (False, True, False, False, False),
+    "row_codes": (True, False, False, False, False),
+}
+# (kernel, columns per program, warps): the shipped launch, then the chunked kernel's candidates
+CONFIGS = [("tiles", 64, 8), ("chunks", 128, 4), ("chunks", 128, 8), ("chunks", 64, 4)]
+
+
+def moved_bytes(mode: str) -> int:
+    """Bytes a pass must move at least: x read (BF16), each copy written (1 byte a code, 2 a value)."""
+    rowwise, colwise, row_values, col_values, col_sums = MODES[mode]
+    elements = ROUTED * HIDDEN
+    return elements * (2 + rowwise * (1 + row_values) + colwise * (1 + col_values))
+
+
+def run() -> dict:
+    import torch
+
+    from te_fused_moe.backends.triton.mxfp8 import quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+    from te_fused_moe.bench import do_bench_ms
+
+    torch.manual_seed(0)
+    x = torch.randn(ROUTED, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    counts = torch.full((EXPERTS,), ROUTED // EXPERTS, dtype=torch.int32, device="cuda")
+    sched = build_schedule(counts, ROUTED, Q.TILE)
+    sums = torch.empty(max_m_tiles(ROUTED, EXPERTS, Q.TILE), HIDDEN, device="cuda", dtype=torch.float32)
+    spec = Q.MXSpec()
+    out = {"shape": [ROUTED, HIDDEN, EXPERTS], "device": torch.cuda.get_device_name()}
+    reference = {}
+    for kernel, cols, warps in CONFIGS:
+        Q.QUANTIZE_KERNEL = kernel
+        if kernel == "chunks":
+            Q.CHUNK_COLS, Q.CHUNK_WARPS = cols, warps
+        else:
+            Q.QUANT_COLS = cols
+        name = f"{kernel}_{cols}c_{warps}w"
+        out[name] = {}
+        for mode, (rowwise, colwise, row_values, col_values, col_sums) in MODES.items():
+            fn = lambda: Q.quantize_rows(x, sched, EXPERTS, spec, rowwise=rowwise, colwise=colwise,
+                                         row_values=row_values, col_values=col_values,
+                                         col_sums=sums if col_sums else None)
+            q = fn()
+            # the same bytes from every kernel and config (the first config's are the reference), over the
+            # slots the routing fills (balanced: whole tiles; the buffers' spare slots are not written)
+            copies = [t for t in (q.data, q.scale, None if q.data_t is None else q.data_t[:, :ROUTED],
+                                  None if q.scale_t is None else q.scale_t[:ROUTED // 32]) if t is not None]
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(copies, reference.setdefault(mode, copies)))
+            ms = do_bench_ms(fn)
+            out[name][mode] = {"ms": round(ms, 4), "GB/s": round(moved_bytes(mode) / ms / 1e6), "same_bytes": same}
+    q = Q.quantize_rows(x, sched, EXPERTS, spec, rowwise=True, colwise=False)
+    ms = do_bench_ms(lambda: Q.expand_values(q.data, q.scale))
+    out["expand_row"] = {"ms": round(ms, 4), "GB/s": round(ROUTED * HIDDEN * 3 / ms / 1e6)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    write_and_print(run(), args.out, "probe_mx_quantize.json")
+
+
+if __name__ == "__main__":
+    main()
