@@ -266,7 +266,7 @@ def _fused_under(recipe: str, _path=_fused, **module_flags: Dict):
 
 # Variants: the expanding recipes' GEMMs expanding quantized operands in their K loops (no transient
 # BF16 values; the default before run 15), NVFP4's and MXFP8's weight caches holding BF16 values, MXFP8's
-# quantize passes and epilogues writing BF16 values (QUANTIZE_TO_VALUES), and the FP8 block
+# quantize passes and epilogues writing codes (no QUANTIZE_TO_VALUES) or on the tiles kernel, and the FP8 block
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16;
 # at an FFN size off the tile, e.g. gpt-oss, FC1 and the dGLU then run as GLU passes + quantize passes
@@ -310,11 +310,16 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       "mxfp8_fused_bf16_weights": _fused_under("mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True)),
                       "mxfp8_unfused_bf16_weights": _fused_under("mxfp8", _unfused,
                                                                  autograd=dict(BF16_WEIGHT_VALUES=True)),
-                      # the quantize passes and epilogues writing BF16 values for the GEMMs of their pass
-                      # (fused only: the unfused path's quantize kernels write MXFP8 tensors, as TE's do)
-                      "mxfp8_fused_quantize_to_values": _fused_under("mxfp8", autograd=dict(QUANTIZE_TO_VALUES=True)),
-                      "mxfp8_fused_bf16_weights_quantize_to_values": _fused_under(
-                          "mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True, QUANTIZE_TO_VALUES=True))},
+                      # the quantize passes and epilogues writing FP8 codes that an expansion pass turns
+                      # into values before each GEMM (QUANTIZE_TO_VALUES off: the fused path before run 33;
+                      # the unfused path's quantize kernels always write MXFP8 tensors, as TE's do)
+                      "mxfp8_fused_codes": _fused_under("mxfp8", autograd=dict(QUANTIZE_TO_VALUES=False)),
+                      "mxfp8_fused_bf16_weights_codes": _fused_under(
+                          "mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True, QUANTIZE_TO_VALUES=False)),
+                      # both paths with the quantize pass's kernel before run 33 (quantize.QUANTIZE_KERNEL)
+                      "mxfp8_fused_tiles_quantize": _fused_under("mxfp8", quantize=dict(QUANTIZE_KERNEL="tiles")),
+                      "mxfp8_unfused_tiles_quantize": _fused_under("mxfp8", _unfused,
+                                                                   quantize=dict(QUANTIZE_KERNEL="tiles"))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

@@ -70,13 +70,12 @@ MLP_CASES = [
     # the weight cache keeping the weights' BF16 values, which the GEMMs read (autograd.BF16_WEIGHT_VALUES)
     ("gptoss-zipf-hybrid-bf16w", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, True, (), "HYBRID"),
     ("padded-swiglu-bf16w", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
-    # the quantize passes and epilogues writing BF16 values for the GEMMs of their pass (QUANTIZE_TO_VALUES)
-    ("swiglu-empty-pad-hybrid-qv", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "HYBRID"),
-    ("geglu-ptr-frozen-x-qv", 170, 128, 128, 3, "geglu", True, True, "zipf", 2, True, False, ("x", "probs"), "E4M3"),
-    # the quantize pass's chunked kernel (quantize.QUANTIZE_KERNEL = "chunks"), writing codes and values
-    ("swiglu-empty-pad-chunks", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
-    ("gptoss-zipf-hybrid-qv-chunks", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, True, (),
-     "HYBRID"),
+    # the quantize passes and epilogues writing FP8 codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
+    ("swiglu-empty-pad-hybrid-codes", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "HYBRID"),
+    ("geglu-ptr-frozen-x-codes-tiles", 170, 128, 128, 3, "geglu", True, True, "zipf", 2, True, False, ("x", "probs"),
+     "E4M3"),
+    # the quantize pass's kernel before run 33 (quantize.QUANTIZE_KERNEL = "tiles"), writing values and codes
+    ("swiglu-empty-pad-tiles", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
@@ -378,8 +377,8 @@ def check_weight_reads(device: str) -> dict:
 
 def check_values_in_pass(device: str, seed: int = 21) -> dict:
     """The MLP's forward + backward with ``QUANTIZE_TO_VALUES`` on and off, on the same random problem
-    (HYBRID: E5M2 gradients; bias, probs, an empty expert, padding rows): the same bits in every output
-    and gradient (the GEMMs read the same values, only who writes them changes), and how many activation
+    (HYBRID: E5M2 gradients; bias, probs, an empty expert, padding rows): the same bits in y and in the
+    GEMMs' gradients (they read the same values, only who writes them changes), and how many activation
     expansion passes (2-D operands through ``expand_values``) each ran: 8 off, 2 on (x and a columnwise,
     kept as FP8 for backward)."""
     from moe_reference import random_problem
@@ -414,13 +413,19 @@ def check_values_in_pass(device: str, seed: int = 21) -> dict:
     finally:
         autograd.expand_values, autograd.QUANTIZE_TO_VALUES = shipped_expand, shipped_flag
     out["bad"] = {k: _diff8(results[False][k], results[True][k]) for k in results[False]}
+    out["sums_step"] = {k: float((results[False][k].float() - results[True][k].float()).abs().max()
+                                 / results[False][k].float().abs().max()) for k in ("b1", "b2", "probs")}
     out["nan"] = sum(int(torch.isnan(t).sum()) for t in results[True].values())
     return out
 
 
 def assert_values_in_pass(r: dict) -> None:
+    """The GEMMs' outputs bit for bit; the bias and probs gradients, sums of FP32 partials whose order
+    follows the kernels' register layouts (which the values' BF16 stores may change on the GPU), within
+    one BF16 step of their largest element."""
     assert r["activation_expansions_False"] == 8 and r["activation_expansions_True"] == 2, r
-    assert len(r["bad"]) == 7 and all(v == 0 for v in r["bad"].values()) and r["nan"] == 0, r
+    assert all(r["bad"][k] == 0 for k in ("y", "x", "w1", "w2")) and r["nan"] == 0, r
+    assert all(r["sums_step"][k] <= 2.0**-8 for k in ("b1", "b2", "probs")), r
 
 
 # --- 3. every kernel bit-exact on integer data ------------------------------------------------------
@@ -585,8 +590,8 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
     dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if case_id.endswith("-sepdglu") else "fused"
     values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
-    written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, "-qv" in case_id
-    kernel, quantize.QUANTIZE_KERNEL = quantize.QUANTIZE_KERNEL, "chunks" if case_id.endswith("-chunks") else "tiles"
+    written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, "-codes" not in case_id
+    kernel, quantize.QUANTIZE_KERNEL = quantize.QUANTIZE_KERNEL, "tiles" if case_id.endswith("-tiles") else "chunks"
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)

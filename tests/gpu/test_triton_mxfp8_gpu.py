@@ -136,8 +136,8 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     # the weight cache keeping the weights' BF16 values (autograd.BF16_WEIGHT_VALUES), padded and not
     ("swiglu-zipf-hybrid-bf16w", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     ("gptoss-2880-padded-bf16w", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (), "E4M3"),
-    # the quantize passes and epilogues writing BF16 values for the GEMMs of their pass (QUANTIZE_TO_VALUES)
-    ("swiglu-zipf-hybrid-bf16w-qv", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
+    # the quantize passes and epilogues writing codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
+    ("swiglu-zipf-hybrid-bf16w-codes", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)
     ("gptoss-2880-padded", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), "E4M3"),
 ]

@@ -43,12 +43,15 @@ TILE = 128  # schedule M tile
 # columns per quantize_rows program: at 128, rowwise + columnwise spilled ~60 registers (sm_90a, 8 warps,
 # offline build); at 64 nothing spills
 QUANT_COLS = 64
-# The quantize pass's kernel: "tiles" (:func:`quantize_tiles_kernel`, the whole 128-row tile at once, its
-# 32-token blocks by 3-D reshapes) or "chunks" (:func:`quantize_chunks_kernel`, the tile's four 32-row
-# chunks in turn, no reshape along the tokens). Offline sm_90a builds: 64 SASS instructions per element
-# for tiles (64 columns, 8 warps) against 34 for chunks (128 columns, 4 warps) with both copies; the
-# pass was instruction-bound (run 31 on an H100: 0.84 ms at DSv3's x, 0.39 for FP8 block's pass).
-QUANTIZE_KERNEL = "tiles"
+# The quantize pass's kernel: "chunks" (:func:`quantize_chunks_kernel`, the tile's four 32-row chunks in
+# turn, no reshape along the tokens) or "tiles" (:func:`quantize_tiles_kernel`, the whole 128-row tile at
+# once, its 32-token blocks by 3-D reshapes; the kernel before run 33). Offline sm_90a builds: 34 SASS
+# instructions per element for chunks (128 columns, 4 warps) against 64 for tiles (64 columns, 8 warps)
+# with both copies, and the pass is instruction-bound. Run 33 on an H100, DSv3's x [32768, 7168]
+# (scripts/probe_mx_quantize.py): both copies' codes 0.567 ms against 0.853, the columnwise copy alone
+# 0.376 against 0.952, dy's copies as values with column sums 0.734 against 1.242; chunks at 8 warps or
+# 64 columns were slower (0.94 / 0.76 ms for x's codes).
+QUANTIZE_KERNEL = "chunks"
 CHUNK_COLS, CHUNK_WARPS = 128, 4
 
 
