@@ -802,7 +802,9 @@ def test_quantize_passes_write_the_values_their_gemms_read(results):
 
 def assert_weight_reads(r: dict) -> None:
     assert r["weight_expansions_True"] == 0 and r["weight_expansions_False"] == 4, r
-    assert r["activation_expansions_True"] == r["activation_expansions_False"] > 0 and r["dx_bad"] == 0, r
+    # the activations' expansions do not depend on the flag (none here: only x needs a gradient, and the
+    # passes write the values that dx's GEMMs read, QUANTIZE_TO_VALUES)
+    assert r["activation_expansions_True"] == r["activation_expansions_False"] and r["dx_bad"] == 0, r
 
 
 @pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand",
