@@ -432,7 +432,8 @@ def assert_values_in_pass(r: dict) -> None:
 
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
                         T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False,
-                        h_dtype: torch.dtype = torch.float32, written_values: bool = False) -> dict:
+                        h_dtype: torch.dtype = torch.float32, written_values: bool = False,
+                        dglu_kernel: str = "chunks") -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
@@ -442,7 +443,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     values an expansion pass writes before it (``autograd.read_expanded``), as the fused path does;
     ``written_values`` too, the quantize passes and epilogues writing those values themselves where the
     fused path's GEMMs of the same pass read them (``autograd.QUANTIZE_TO_VALUES``: x, a rowwise; dy, dh
-    both ways).
+    both ways). ``dglu_kernel``: the separate dGLU epilogue's kernel (``gemm.SEPARATE_DGLU_KERNEL``).
     ``h_dtype`` BF16: h is saved rounded (FC1, one kernel, acts on the FP32 sums); the dGLU reads
     that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too."""
     import dataclasses
@@ -459,6 +460,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     from te_fused_moe.quantize import mxfp8 as ref
 
     gemm.USE_TMA_DEFAULT = use_tma
+    shipped_dglu, gemm.SEPARATE_DGLU_KERNEL = gemm.SEPARATE_DGLU_KERNEL, dglu_kernel
     g = torch.Generator().manual_seed(seed)
     F, E, n1 = 128, 3, 128
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()
@@ -501,7 +503,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     mx_grouped_wgrad(cols(dhq), cols(xq), sched, dw1, config=wcfg)
     db1 = poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
     tile_sums_to_experts(dbias, sched, db1)
-    gemm.USE_TMA_DEFAULT = True
+    gemm.USE_TMA_DEFAULT, gemm.SEPARATE_DGLU_KERNEL = True, shipped_dglu
 
     tab = schedule_table(sched, E).cpu()
     bad = {k: 0 for k in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob")}
@@ -667,6 +669,17 @@ def sm90_build_report() -> dict:
     report["dact_swiglu_epilogue_alone"] = build(gemm.mx_grouped_gemm_kernel,
                                                  dict(ptrs, a_src="*bf16", b_src="*bf16", c_ptr="*fp32"), consts,
                                                  cfg.num_warps, 1)
+    # its chunked kernel (gemm.SEPARATE_DGLU_KERNEL), writing values (the default) and codes
+    from te_fused_moe.backends.triton.mxfp8 import dglu_epilogue as D
+
+    for name, qt in (("dglu_chunks_values", "*bf16"), ("dglu_chunks_codes", "*u8")):
+        report[name] = build(D.dglu_chunks_kernel, dict(da_ptr="*bf16", h_ptr="*bf16", probs_ptr="*fp32",
+                                                        dprob_ptr="*fp32", dbias_ptr="*fp32", q_ptr=qt, qs_ptr="*u8",
+                                                        qt_ptr=qt, qts_ptr="*u8", sched_ptr="*i32", alpha="fp32",
+                                                        limit="fp32"),
+                             dict(ACT=ACT_IDS["swiglu"], GATED=True, HAS_PROBS=True, WRITE_DPROB=True, WRITE_DBIAS=True,
+                                  ROWWISE=True, COLWISE=True, **spec, BM=128, BK=D.COLS, PART=cfg.block_n),
+                             D.WARPS, 1)
     for values in (False, True):
         wcfg = W.default_config(values)
         bt = 128 if wcfg.expand_bf16 else 32
@@ -733,6 +746,9 @@ def _worker() -> None:
             "cpu", seed=11, use_tma=False, fmt="e5m2", T=200, H=128, values=True, written_values=True,
             epilogue=dict(epilogue="separate")),
         "exact_separate_dglu": check_kernels_exact("cpu", seed=8, T=200, H=128, epilogue=dict(epilogue="separate")),
+        "exact_separate_dglu_gemm_kernel": check_kernels_exact("cpu", seed=12, T=200, H=128, values=True,
+                                                               written_values=True, dglu_kernel="gemm",
+                                                               epilogue=dict(epilogue="separate")),
         "exact_separate_dglu_bf16_h": check_kernels_exact("cpu", seed=9, H=512, h_dtype=torch.bfloat16,
                                                           epilogue=dict(epilogue="separate")),
         "dispatch": check_dispatch("cpu"),
@@ -763,8 +779,8 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
         elif name.startswith(("fc", "dact", "dgrad", "wgrad")):
             assert r["qgmma"] + r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0, (name, r)
         # the quantizing epilogues (after the K loop) may spill a little: FC1 at BN = 128 (measured
-        # faster than 64 anyway, run 13) and the dGLU
-        allowed = 512 if name.startswith(("dact", "fc1")) else 0
+        # faster than 64 anyway, run 13) and the dGLU (its chunked kernel too: 32-104 bytes)
+        allowed = 512 if name.startswith(("dact", "fc1", "dglu")) else 0
         assert r["stack"] <= allowed, (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)  # else the launch fails on the GPU
 
@@ -810,7 +826,8 @@ def assert_weight_reads(r: dict) -> None:
 @pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand",
                                  "exact_values", "exact_values_ptr_e5m2", "exact_values_separate_dglu",
                                  "exact_written_values", "exact_written_values_ptr_e5m2_separate_dglu",
-                                 "exact_separate_dglu", "exact_separate_dglu_bf16_h"])
+                                 "exact_separate_dglu", "exact_separate_dglu_gemm_kernel",
+                                 "exact_separate_dglu_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered

@@ -53,6 +53,7 @@ from ..grouped_gemm import interpreting
 from ..operand_tiles import k_block, operand_tiles
 from ..padded import padded_size
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
+from . import dglu_epilogue
 from .codec import expand_bf16, mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, store_mx
 
@@ -69,6 +70,9 @@ USE_TMA_DEFAULT = True
 # 1.11x). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM alone leaves nothing for a separate
 # epilogue to win.
 DACT_EPILOGUE = "auto"
+# The separate dGLU epilogue's kernel: "chunks" (``dglu_epilogue``: the tile's rows 32 at a time, as the
+# quantize pass's chunked kernel) or "gemm" (this module's kernel with ``ACC_IN``, before run 33).
+SEPARATE_DGLU_KERNEL = "chunks"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
 # accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
@@ -374,6 +378,11 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         # the dGLU GEMM alone (this module's plain kernel), then this kernel's epilogue on its output
         c = torch.empty((num_rows, b.shape[1]), device=a.device, dtype=EPILOGUE_INPUT_DTYPE or h.dtype)
         launch("fc2", a, a_scale, b, b_scale, b.shape[1], schedule, num_experts, spec, c=c)
+        if SEPARATE_DGLU_KERNEL == "chunks":
+            return dglu_epilogue.launch(c, h, n, schedule, num_experts, spec, q, q_up_offset=q_up_offset,
+                                        h_up_offset=h_up_offset, probs=probs, dprob=dprob, dbias=dbias,
+                                        part=cfg.block_n, activation=activation, alpha=alpha, limit=limit,
+                                        gated=gated)
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     grid = (m_tiles * triton.cdiv(n, cfg.block_n),)
     rowwise, colwise = quantized_copies(q)

@@ -236,6 +236,38 @@ def quantize_tiles_kernel(
 
 
 @triton.jit
+def store_mx_chunk(v, first, row_ok, cols, block, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
+                   stride_qtn, qts_ptr, stride_qtsb, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                   MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
+                   BK: tl.constexpr):
+    """MXFP8-quantize 32 rows of FP32 ``v`` [32, BK] (rows ``first`` on, a 64-bit scalar; columns ``cols``,
+    starting on a 32 boundary): rowwise 1x32 blocks for the rows before the group's end (``row_ok``), and
+    the columnwise copy's 32-token block ``block`` (its scale row; its columns ``32 block`` on in each row of
+    ``data_t``), for which rows past the group's end must hold zeros. A copy in a BF16 buffer receives
+    values, as in :func:`store_mx`."""
+    chunk = tl.arange(0, 32)
+    if ROWWISE:
+        codes, sc = quantize_rowwise_block(v, 32, BK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
+        q_ptrs = q_ptr + first * stride_qm + (chunk * stride_qm)[:, None] + cols[None, :]
+        if q_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(q_ptrs, values_of(codes, sc, MANT, 32, BK), mask=row_ok[:, None])
+        else:
+            tl.store(q_ptrs, codes, mask=row_ok[:, None])
+        kb = tl.min(cols, axis=0) // 32 + tl.arange(0, BK // 32)
+        tl.store(qs_ptr + first * stride_qsm + (chunk * stride_qsm)[:, None] + kb[None, :] * stride_qsk, sc,
+                 mask=row_ok[:, None])
+    if COLWISE:
+        code, mult = mx_scale(tl.max(nan_free_abs(v), axis=0), MAX_NORM_RCP)
+        codes_t = tl.trans(encode_fp8(v * mult[None, :], MANT, EBIAS, FP8_MAX))
+        qt_ptrs = (qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + block * 32) + chunk[None, :]
+        if qt_ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(qt_ptrs, values_of(codes_t, tl.reshape(code, (BK, 1)), MANT, BK, 32))
+        else:
+            tl.store(qt_ptrs, codes_t)
+        tl.store(qts_ptr + block * stride_qtsb + cols, code)
+
+
+@triton.jit
 def quantize_chunks_kernel(
     x_ptr, stride_xm,
     q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
@@ -266,26 +298,10 @@ def quantize_chunks_kernel(
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         if COLSUM:
             colsum += tl.sum(x, axis=0)
-        if ROWWISE:
-            codes, sc = quantize_rowwise_block(x, 32, BK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-            q_ptrs = q_ptr + first * stride_qm + col0 + (chunk * stride_qm)[:, None] + tl.arange(0, BK)[None, :]
-            if q_ptr.dtype.element_ty == tl.bfloat16:
-                tl.store(q_ptrs, values_of(codes, sc, MANT, 32, BK), mask=row_ok[:, None])
-            else:
-                tl.store(q_ptrs, codes, mask=row_ok[:, None])
-            kb = pid_k * (BK // 32) + tl.arange(0, BK // 32)
-            tl.store(qs_ptr + first * stride_qsm + (chunk * stride_qsm)[:, None] + kb[None, :] * stride_qsk, sc,
-                     mask=row_ok[:, None])
-        if COLWISE:
-            # rows past the group's end were loaded as 0.0: their codes are 0x00 already
-            code, mult = mx_scale(tl.max(nan_free_abs(x), axis=0), MAX_NORM_RCP)
-            codes_t = tl.trans(encode_fp8(x * mult[None, :], MANT, EBIAS, FP8_MAX))
-            qt_ptrs = (qt_ptr + cols.to(tl.int64)[:, None] * stride_qtk + pid_m * BM + j * 32) + chunk[None, :]
-            if qt_ptr.dtype.element_ty == tl.bfloat16:
-                tl.store(qt_ptrs, values_of(codes_t, tl.reshape(code, (BK, 1)), MANT, BK, 32))
-            else:
-                tl.store(qt_ptrs, codes_t)
-            tl.store(qts_ptr + (pid_m * (BM // 32) + j) * stride_qtsb + cols, code)
+        # rows past the group's end were loaded as 0.0 (the columnwise block's zeros)
+        store_mx_chunk(x, first, row_ok, cols, pid_m * (BM // 32) + j, q_ptr, stride_qm, qs_ptr, stride_qsm,
+                       stride_qsk, qt_ptr, stride_qtk, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX,
+                       MAX_NORM_RCP, BK)
     if COLSUM:
         tl.store(colsum_ptr + pid_m * stride_cst + cols, colsum)
 
