@@ -136,6 +136,10 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     # the weight cache keeping the weights' BF16 values (autograd.BF16_WEIGHT_VALUES), padded and not
     ("swiglu-zipf-hybrid-bf16w", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     ("gptoss-2880-padded-bf16w", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (), "E4M3"),
+    # the dGLU as its GEMM + the epilogue alone (the default on the GPU; the other cases run it as one kernel)
+    ("swiglu-balanced-sepdglu", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
+    ("gptoss-empty-hybrid-sepdglu", 4096, 512, 256, 16, "gpt_oss_swiglu", True, True, "empty", 100, True, True, (),
+     "HYBRID"),
     # the quantize passes and epilogues writing codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
     ("swiglu-zipf-hybrid-bf16w-codes", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)
