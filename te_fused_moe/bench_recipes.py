@@ -316,9 +316,9 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       "mxfp8_fused_codes": _fused_under("mxfp8", autograd=dict(QUANTIZE_TO_VALUES=False)),
                       "mxfp8_fused_bf16_weights_codes": _fused_under(
                           "mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True, QUANTIZE_TO_VALUES=False)),
-                      # the separate dGLU epilogue on the GEMM kernel (gemm.SEPARATE_DGLU_KERNEL, before run 33)
-                      "mxfp8_fused_gemm_dglu_epilogue": _fused_under(
-                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="gemm")),
+                      # the separate dGLU epilogue on its chunked kernel (gemm.SEPARATE_DGLU_KERNEL)
+                      "mxfp8_fused_chunked_dglu_epilogue": _fused_under(
+                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="chunks")),
                       # both paths with the quantize pass's kernel before run 33 (quantize.QUANTIZE_KERNEL)
                       "mxfp8_fused_tiles_quantize": _fused_under("mxfp8", quantize=dict(QUANTIZE_KERNEL="tiles")),
                       "mxfp8_unfused_tiles_quantize": _fused_under("mxfp8", _unfused,
