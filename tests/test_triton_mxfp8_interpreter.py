@@ -79,6 +79,8 @@ MLP_CASES = [
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
+    # ... on its chunked kernel (gemm.SEPARATE_DGLU_KERNEL = "chunks")
+    ("swiglu-empty-pad-sepdglu-chunks", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
@@ -433,7 +435,7 @@ def assert_values_in_pass(r: dict) -> None:
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
                         T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False,
                         h_dtype: torch.dtype = torch.float32, written_values: bool = False,
-                        dglu_kernel: str = "chunks") -> dict:
+                        dglu_kernel: str = None) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
@@ -443,7 +445,8 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     values an expansion pass writes before it (``autograd.read_expanded``), as the fused path does;
     ``written_values`` too, the quantize passes and epilogues writing those values themselves where the
     fused path's GEMMs of the same pass read them (``autograd.QUANTIZE_TO_VALUES``: x, a rowwise; dy, dh
-    both ways). ``dglu_kernel``: the separate dGLU epilogue's kernel (``gemm.SEPARATE_DGLU_KERNEL``).
+    both ways). ``dglu_kernel``: the separate dGLU epilogue's kernel (``gemm.SEPARATE_DGLU_KERNEL``; None:
+    the shipped one).
     ``h_dtype`` BF16: h is saved rounded (FC1, one kernel, acts on the FP32 sums); the dGLU reads
     that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too."""
     import dataclasses
@@ -460,7 +463,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     from te_fused_moe.quantize import mxfp8 as ref
 
     gemm.USE_TMA_DEFAULT = use_tma
-    shipped_dglu, gemm.SEPARATE_DGLU_KERNEL = gemm.SEPARATE_DGLU_KERNEL, dglu_kernel
+    shipped_dglu, gemm.SEPARATE_DGLU_KERNEL = gemm.SEPARATE_DGLU_KERNEL, dglu_kernel or gemm.SEPARATE_DGLU_KERNEL
     g = torch.Generator().manual_seed(seed)
     F, E, n1 = 128, 3, 128
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()
@@ -590,16 +593,20 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
-    dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if case_id.endswith("-sepdglu") else "fused"
+    dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if "-sepdglu" in case_id else "fused"
+    dglu_kernel = gemm.SEPARATE_DGLU_KERNEL
+    gemm.SEPARATE_DGLU_KERNEL = "chunks" if case_id.endswith("-sepdglu-chunks") else dglu_kernel
     values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
     written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, "-codes" not in case_id
-    kernel, quantize.QUANTIZE_KERNEL = quantize.QUANTIZE_KERNEL, "tiles" if case_id.endswith("-tiles") else "chunks"
+    kernel = quantize.QUANTIZE_KERNEL
+    quantize.QUANTIZE_KERNEL = "tiles" if case_id.endswith("-tiles") else kernel
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
         autograd.QUANTIZE_TO_VALUES, quantize.QUANTIZE_KERNEL = written, kernel
+        gemm.SEPARATE_DGLU_KERNEL = dglu_kernel
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
 
@@ -746,9 +753,11 @@ def _worker() -> None:
             "cpu", seed=11, use_tma=False, fmt="e5m2", T=200, H=128, values=True, written_values=True,
             epilogue=dict(epilogue="separate")),
         "exact_separate_dglu": check_kernels_exact("cpu", seed=8, T=200, H=128, epilogue=dict(epilogue="separate")),
-        "exact_separate_dglu_gemm_kernel": check_kernels_exact("cpu", seed=12, T=200, H=128, values=True,
-                                                               written_values=True, dglu_kernel="gemm",
-                                                               epilogue=dict(epilogue="separate")),
+        "exact_written_values_separate_dglu_chunks": check_kernels_exact(
+            "cpu", seed=12, T=200, H=128, values=True, written_values=True, dglu_kernel="chunks",
+            epilogue=dict(epilogue="separate")),
+        "exact_separate_dglu_chunks": check_kernels_exact("cpu", seed=13, T=200, H=128, dglu_kernel="chunks",
+                                                          epilogue=dict(epilogue="separate")),
         "exact_separate_dglu_bf16_h": check_kernels_exact("cpu", seed=9, H=512, h_dtype=torch.bfloat16,
                                                           epilogue=dict(epilogue="separate")),
         "dispatch": check_dispatch("cpu"),
@@ -826,7 +835,8 @@ def assert_weight_reads(r: dict) -> None:
 @pytest.mark.parametrize("key", ["exact", "exact_ptr_e5m2", "exact_bn128_unsplit", "exact_promote", "exact_expand",
                                  "exact_values", "exact_values_ptr_e5m2", "exact_values_separate_dglu",
                                  "exact_written_values", "exact_written_values_ptr_e5m2_separate_dglu",
-                                 "exact_separate_dglu", "exact_separate_dglu_gemm_kernel",
+                                 "exact_separate_dglu", "exact_written_values_separate_dglu_chunks",
+                                 "exact_separate_dglu_chunks",
                                  "exact_separate_dglu_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
