@@ -18,9 +18,9 @@
 # plain_probe: the plain FP8 block GEMM at DSv3's four token GEMM shapes as it ships, with its promotion an FADD,
 # and with no promotion (one wgmma chain), against cuBLAS FP8 (scripts/probe_plain.py).
 # mxfp8_values: MXFP8's quantize passes and epilogues writing BF16 values (autograd.QUANTIZE_TO_VALUES): its GPU
-# tests, then the MLP at DSv3 with and without it and with the quantize pass's kernel before run 33, each with
-# and without the weight cache's BF16 values, against both unfused paths (interleaved rounds, no kernel table).
-# mx_quantize_probe: MXFP8's quantize pass at DSv3's x, its two kernels and their configs, codes and values
+# tests, then the MLP at DSv3 with and without it and with the chunked dGLU epilogue, each with and without the
+# weight cache's BF16 values, against both unfused paths (interleaved rounds, no kernel table).
+# mx_quantize_probe: MXFP8's quantize pass at DSv3's x at a few launch configs, codes and values
 # (scripts/probe_mx_quantize.py).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
 # values (mxfp8.autograd.BF16_WEIGHT_VALUES), interleaved rounds, no kernel table.
@@ -102,7 +102,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                     tests/gpu/test_triton_mxfp8_gpu.py -k "values or codes or no_host_syncs or graph"
                   step recipes_mxfp8_values "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
-                    mxfp8_fused,mxfp8_unfused,mxfp8_fused_codes,mxfp8_fused_tiles_quantize,mxfp8_unfused_tiles_quantize,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights,mxfp8_fused_bf16_weights_codes \
+                    mxfp8_fused,mxfp8_unfused,mxfp8_fused_codes,mxfp8_fused_chunked_dglu_epilogue,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights,mxfp8_fused_bf16_weights_codes \
                     --out "$OUT/recipes_mxfp8_values";;
     mx_quantize_probe) step probe_mx_quantize "${PROBE_TIMEOUT:-120}" python scripts/probe_mx_quantize.py \
                          --out "$OUT/probe_mx_quantize";;

@@ -1,13 +1,12 @@
-"""MXFP8's quantize pass at DSv3's x / dy ([32768, 7168] BF16 in 32 balanced experts): its two kernels
-(``quantize.QUANTIZE_KERNEL``: "tiles", the shipped one, and "chunks", the tile's 32-row chunks in turn)
-at a few launch configs, for the copies the MLP asks of it, and the expansion pass whose work the
-values-writing modes take over (``autograd.QUANTIZE_TO_VALUES``). A measurement tool, not a test: the
-kernels' bytes are checked by the MXFP8 tests (both kernels, codes and values).
+"""MXFP8's quantize pass at DSv3's x / dy ([32768, 7168] BF16 in 32 balanced experts) at a few launch
+configs (``quantize.QUANT_COLS`` columns per program, ``QUANT_WARPS``), for the copies the MLP asks of
+it, and the expansion pass whose work the values-writing modes take over
+(``autograd.QUANTIZE_TO_VALUES``). A measurement tool, not a test: the kernel's bytes are checked by
+the MXFP8 tests.
 
-Why: run 31's kernel table on an H100 had MXFP8's pass at 0.84 ms for both copies of x (1119 GB/s), 0.96 ms
-for the columnwise copy alone, against 0.39 ms for FP8 block's pass at the same size; the offline sm_90a
-builds count 64 SASS instructions per element for "tiles" (64 columns, 8 warps) against 34 for
-"chunks" (128 columns, 4 warps).
+Run 33a (H100) timed the kernel before this one here too (the whole 128-row tile at once, its 32-token
+blocks by 3-D reshapes; removed since): 0.853 ms for x's codes against 0.567, 0.952 for the columnwise
+copy alone against 0.376 (``benchmarks/results/run33_mx_quantize/``).
 
 Modes (what each quantize call of the MLP writes): ``x_codes`` row + column codes (FC1's operand and w1's
 wgrad operand, as shipped); ``x_values`` row values + column codes (QUANTIZE_TO_VALUES); ``dy_codes`` both
@@ -33,8 +32,8 @@ MODES = {  # rowwise, colwise, row_values, col_values, col_sums
     "col_codes": (False, True, False, False, False),
     "row_codes": (True, False, False, False, False),
 }
-# (kernel, columns per program, warps): the shipped launch, then the chunked kernel's candidates
-CONFIGS = [("tiles", 64, 8), ("chunks", 128, 4), ("chunks", 128, 8), ("chunks", 64, 4)]
+# (columns per program, warps): the shipped launch first
+CONFIGS = [(128, 4), (128, 8), (64, 4)]
 
 
 def moved_bytes(mode: str) -> int:
@@ -59,20 +58,16 @@ def run() -> dict:
     spec = Q.MXSpec()
     out = {"shape": [ROUTED, HIDDEN, EXPERTS], "device": torch.cuda.get_device_name()}
     reference = {}
-    for kernel, cols, warps in CONFIGS:
-        Q.QUANTIZE_KERNEL = kernel
-        if kernel == "chunks":
-            Q.CHUNK_COLS, Q.CHUNK_WARPS = cols, warps
-        else:
-            Q.QUANT_COLS = cols
-        name = f"{kernel}_{cols}c_{warps}w"
+    for cols, warps in CONFIGS:
+        Q.QUANT_COLS, Q.QUANT_WARPS = cols, warps
+        name = f"{cols}c_{warps}w"
         out[name] = {}
         for mode, (rowwise, colwise, row_values, col_values, col_sums) in MODES.items():
             fn = lambda: Q.quantize_rows(x, sched, EXPERTS, spec, rowwise=rowwise, colwise=colwise,
                                          row_values=row_values, col_values=col_values,
                                          col_sums=sums if col_sums else None)
             q = fn()
-            # the same bytes from every kernel and config (the first config's are the reference), over the
+            # the same bytes from every config (the first config's are the reference), over the
             # slots the routing fills (balanced: whole tiles; the buffers' spare slots are not written)
             copies = [t for t in (q.data, q.scale, None if q.data_t is None else q.data_t[:, :ROUTED],
                                   None if q.scale_t is None else q.scale_t[:ROUTED // 32]) if t is not None]

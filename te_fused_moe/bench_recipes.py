@@ -266,7 +266,8 @@ def _fused_under(recipe: str, _path=_fused, **module_flags: Dict):
 
 # Variants: the expanding recipes' GEMMs expanding quantized operands in their K loops (no transient
 # BF16 values; the default before run 15), NVFP4's and MXFP8's weight caches holding BF16 values, MXFP8's
-# quantize passes and epilogues writing codes (no QUANTIZE_TO_VALUES) or on the tiles kernel, and the FP8 block
+# quantize passes and epilogues writing codes (no QUANTIZE_TO_VALUES) or its separate dGLU epilogue on
+# its chunked kernel, and the FP8 block
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16;
 # at an FFN size off the tile, e.g. gpt-oss, FC1 and the dGLU then run as GLU passes + quantize passes
@@ -318,11 +319,7 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                           "mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True, QUANTIZE_TO_VALUES=False)),
                       # the separate dGLU epilogue on its chunked kernel (gemm.SEPARATE_DGLU_KERNEL)
                       "mxfp8_fused_chunked_dglu_epilogue": _fused_under(
-                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="chunks")),
-                      # both paths with the quantize pass's kernel before run 33 (quantize.QUANTIZE_KERNEL)
-                      "mxfp8_fused_tiles_quantize": _fused_under("mxfp8", quantize=dict(QUANTIZE_KERNEL="tiles")),
-                      "mxfp8_unfused_tiles_quantize": _fused_under("mxfp8", _unfused,
-                                                                   quantize=dict(QUANTIZE_KERNEL="tiles"))},
+                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="chunks"))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

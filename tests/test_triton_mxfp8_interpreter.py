@@ -72,10 +72,8 @@ MLP_CASES = [
     ("padded-swiglu-bf16w", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # the quantize passes and epilogues writing FP8 codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
     ("swiglu-empty-pad-hybrid-codes", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "HYBRID"),
-    ("geglu-ptr-frozen-x-codes-tiles", 170, 128, 128, 3, "geglu", True, True, "zipf", 2, True, False, ("x", "probs"),
+    ("geglu-ptr-frozen-x-codes", 170, 128, 128, 3, "geglu", True, True, "zipf", 2, True, False, ("x", "probs"),
      "E4M3"),
-    # the quantize pass's kernel before run 33 (quantize.QUANTIZE_KERNEL = "tiles"), writing values and codes
-    ("swiglu-empty-pad-tiles", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
@@ -205,20 +203,6 @@ def _copy_bad(data, r) -> int:
 
 
 def check_quantize_kernels(device: str, seed: int = 0) -> dict:
-    """Both quantize-pass kernels (``quantize.QUANTIZE_KERNEL``) on the same data, then the weights'."""
-    from te_fused_moe.backends.triton.mxfp8 import quantize as Q
-
-    shipped, out = Q.QUANTIZE_KERNEL, {}
-    try:
-        for kernel in ("tiles", "chunks"):
-            Q.QUANTIZE_KERNEL = kernel
-            out.update({f"{kernel}-{k}": v for k, v in _check_quantize(device, seed).items()})
-    finally:
-        Q.QUANTIZE_KERNEL = shipped
-    return out
-
-
-def _check_quantize(device: str, seed: int) -> dict:
     from moe_reference import make_counts
 
     from te_fused_moe.backends.triton.mxfp8 import quantize as Q
@@ -583,7 +567,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     from block_scaled_checks import compare_with_reference
     from moe_reference import random_problem
 
-    from te_fused_moe.backends.triton.mxfp8 import autograd, gemm, quantize
+    from te_fused_moe.backends.triton.mxfp8 import autograd, gemm
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
     case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, tma, frozen, fmt = case[:14]
@@ -598,14 +582,12 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     gemm.SEPARATE_DGLU_KERNEL = "chunks" if case_id.endswith("-sepdglu-chunks") else dglu_kernel
     values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
     written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, "-codes" not in case_id
-    kernel = quantize.QUANTIZE_KERNEL
-    quantize.QUANTIZE_KERNEL = "tiles" if case_id.endswith("-tiles") else kernel
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
-        autograd.QUANTIZE_TO_VALUES, quantize.QUANTIZE_KERNEL = written, kernel
+        autograd.QUANTIZE_TO_VALUES = written
         gemm.SEPARATE_DGLU_KERNEL = dglu_kernel
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
@@ -699,20 +681,11 @@ def sm90_build_report() -> dict:
                  BT=bt, TILE_M=128, MX_BLOCK=32, GROUP_N=wcfg.group_n), wcfg.num_warps, wcfg.num_stages)
     report["expand"] = build(Q.expand_kernel, dict(q_ptr="*fp8e4nv", s_ptr="*u8", v_ptr="*bf16"),
                              dict(UPCAST=False, BLK=128))
-    report["quantize_rows"] = build(Q.quantize_tiles_kernel, dict(x_ptr="*bf16", q_ptr="*u8", qs_ptr="*u8",
-                                                                  qt_ptr="*u8", qts_ptr="*u8", colsum_ptr="*fp32",
-                                                                  sched_ptr="*i32"),
-                                    dict(ROWWISE=True, COLWISE=True, COLSUM=True, **spec, BM=128, BK=Q.QUANT_COLS))
-    report["quantize_rows_values"] = build(Q.quantize_tiles_kernel, dict(x_ptr="*bf16", q_ptr="*bf16", qs_ptr="*u8",
-                                                                         qt_ptr="*bf16", qts_ptr="*u8",
-                                                                         colsum_ptr="*fp32", sched_ptr="*i32"),
-                                           dict(ROWWISE=True, COLWISE=True, COLSUM=True, **spec, BM=128,
-                                                BK=Q.QUANT_COLS))
-    for name, qt in (("quantize_chunks", "*u8"), ("quantize_chunks_values", "*bf16")):
+    for name, qt in (("quantize_rows", "*u8"), ("quantize_rows_values", "*bf16")):
         report[name] = build(Q.quantize_chunks_kernel, dict(x_ptr="*bf16", q_ptr=qt, qs_ptr="*u8", qt_ptr=qt,
                                                             qts_ptr="*u8", colsum_ptr="*fp32", sched_ptr="*i32"),
-                             dict(ROWWISE=True, COLWISE=True, COLSUM=True, **spec, BM=128, BK=Q.CHUNK_COLS),
-                             Q.CHUNK_WARPS, 1)
+                             dict(ROWWISE=True, COLWISE=True, COLSUM=True, **spec, BM=128, BK=Q.QUANT_COLS),
+                             Q.QUANT_WARPS, 1)
     report["quantize_weight"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", q_ptr="*u8", s_ptr="*u8",
                                                                      qt_ptr="*u8", st_ptr="*u8"),
                                       dict(**spec, TRANSPOSED=True, BLK=128))
@@ -802,7 +775,7 @@ def test_e8m0_codec_is_bit_exact(results):
 
 
 def test_quantize_kernels_are_bit_exact(results):
-    assert len(results["quantize"]) == 6
+    assert len(results["quantize"]) == 3
     for key, bad in results["quantize"].items():
         assert all(v == 0 for v in bad.values()), (key, bad)
 

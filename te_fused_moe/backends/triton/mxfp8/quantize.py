@@ -40,19 +40,9 @@ from .codec import decode_fp8, expand_bf16, mx_dequant_scale, mx_scale
 
 MX = 32  # elements per scale block
 TILE = 128  # schedule M tile
-# columns per quantize_rows program: at 128, rowwise + columnwise spilled ~60 registers (sm_90a, 8 warps,
-# offline build); at 64 nothing spills
-QUANT_COLS = 64
-# The quantize pass's kernel: "chunks" (:func:`quantize_chunks_kernel`, the tile's four 32-row chunks in
-# turn, no reshape along the tokens) or "tiles" (:func:`quantize_tiles_kernel`, the whole 128-row tile at
-# once, its 32-token blocks by 3-D reshapes; the kernel before run 33). Offline sm_90a builds: 34 SASS
-# instructions per element for chunks (128 columns, 4 warps) against 64 for tiles (64 columns, 8 warps)
-# with both copies, and the pass is instruction-bound. Run 33 on an H100, DSv3's x [32768, 7168]
-# (scripts/probe_mx_quantize.py): both copies' codes 0.567 ms against 0.853, the columnwise copy alone
-# 0.376 against 0.952, dy's copies as values with column sums 0.734 against 1.242; chunks at 8 warps or
-# 64 columns were slower (0.94 / 0.76 ms for x's codes).
-QUANTIZE_KERNEL = "chunks"
-CHUNK_COLS, CHUNK_WARPS = 128, 4
+# The quantize pass's launch: 128 columns per program, 4 warps (run 33 on an H100, DSv3's x: 0.567 ms for
+# both copies' codes against 0.94 at 8 warps and 0.76 at 64 columns; scripts/probe_mx_quantize.py).
+QUANT_COLS, QUANT_WARPS = 128, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,39 +193,6 @@ def store_mx(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm
 
 
 @triton.jit
-def quantize_tiles_kernel(
-    x_ptr, stride_xm,
-    q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
-    qt_ptr, stride_qtk, qts_ptr, stride_qtsb,
-    colsum_ptr, stride_cst,
-    sched_ptr, K, X_COLS, NUM_GROUPS,
-    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr,
-    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
-):
-    """One program per (schedule M tile, ``BK`` columns): 1x32 rowwise blocks and, with ``COLWISE``,
-    32-token blocks inside the tile (the tile's rows belong to one group), as codes or values
-    (:func:`store_mx`); with ``COLSUM`` the tile's FP32 column sums (bias gradients). ``K`` columns
-    are written, x's first ``X_COLS`` (<= K) read: the rest as zeros."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
-        return
-    _, row0, row_end = tile_rows(sched_ptr, pid_m, BM, NUM_GROUPS)
-    rows = row0 + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
-    row_ok = rows < row_end
-    mask = row_ok[:, None] & (cols < K)[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask & (cols < X_COLS)[None, :],
-                other=0.0).to(tl.float32)
-    if COLSUM:
-        tl.store(colsum_ptr + pid_m * stride_cst + cols, tl.sum(x, axis=0))
-    store_mx(x, rows64, row_ok, cols, pid_m, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtk,
-             qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BK)
-
-
-@triton.jit
 def store_mx_chunk(v, first, row_ok, cols, block, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr,
                    stride_qtn, qts_ptr, stride_qtsb, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
                    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
@@ -278,9 +235,16 @@ def quantize_chunks_kernel(
     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """:func:`quantize_tiles_kernel`'s contract, the tile's rows taken 32 at a time: each chunk is one
-    32-token block of the columnwise copy (a reduction over its rows, no 3-D reshape) and 32 rows of
-    rowwise 1x32 blocks. Copies in BF16 buffers get values (:func:`store_mx`'s rule)."""
+    """One program per (schedule M tile, ``BK`` columns), the tile's rows (one group's) 32 at a time:
+    1x32 rowwise blocks and, with ``COLWISE``, the chunk's 32-token block of the columnwise copy, as
+    codes or values (:func:`store_mx_chunk`); with ``COLSUM`` the tile's FP32 column sums (bias
+    gradients). ``K`` columns are written, x's first ``X_COLS`` (<= K) read: the rest as zeros.
+
+    Why chunks: building the columnwise blocks from the whole 128-row tile by 3-D reshapes (the kernel
+    before run 33, as ``store_mx`` still does in the GEMM epilogues) took 64 SASS instructions per
+    element against 34 here, and the pass is instruction-bound: on an H100 at DSv3's x, both copies'
+    codes 0.853 -> 0.567 ms, the columnwise copy alone 0.952 -> 0.376, dy's copies as values with
+    column sums 1.242 -> 0.734 (run 33a)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if pid_m >= total_tiles(sched_ptr, NUM_GROUPS):
@@ -361,9 +325,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     out = new_rows(num_rows, k, x, spec, num_experts, rowwise, colwise, alloc, row_values=row_values,
                    col_values=col_values)
     dummy = x.view(torch.uint8)
-    kernel, cols, warps = ((quantize_chunks_kernel, CHUNK_COLS, CHUNK_WARPS) if QUANTIZE_KERNEL == "chunks"
-                           else (quantize_tiles_kernel, QUANT_COLS, 8))
-    kernel[(m_tiles, k // cols)](
+    quantize_chunks_kernel[(m_tiles, k // QUANT_COLS)](
         x, x.stride(0),
         codes_or_values(out.data) if rowwise else dummy, out.data.stride(0) if rowwise else 0,
         out.scale if rowwise else dummy, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
@@ -371,8 +333,8 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         out.scale_t if colwise else dummy, out.scale_t.stride(0) if colwise else 0,
         col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
         schedule, k, x_cols, num_experts + 1,
-        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=TILE, BK=cols,
-        num_warps=4 if interpreting() else warps,
+        ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=TILE, BK=QUANT_COLS,
+        num_warps=4 if interpreting() else QUANT_WARPS,
     )
     return out
 
