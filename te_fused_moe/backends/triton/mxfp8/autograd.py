@@ -5,7 +5,9 @@ recipe/shape checks.
 Block sizes: 1x32 along each GEMM's reduction axis with E8M0 scales: x, a, dy, dh rowwise along K;
 32 tokens per block restarting at each expert for the wgrad operands; weights 1x32 along K (fprop)
 and, in their transposed copy, along N (dgrad). Each GEMM reads its operands as BF16 values
-expanded just before it (``EXPAND_BEFORE_GEMM``) or expands them in its K loop.
+(``EXPAND_BEFORE_GEMM``), written by the quantize pass or epilogue that makes them where a GEMM of the
+same pass reads them (``QUANTIZE_TO_VALUES``) and by an expansion pass before the GEMM otherwise, or
+expands FP8 operands in its K loop.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ BF16_WEIGHT_VALUES = False
 # of the same pass reads (x and a rowwise; dy and dh both ways) as their BF16 values instead of FP8
 # codes (``quantize.store_mx``): six of the eight activation expansion passes go, for a BF16 write in
 # place of an FP8 one. The copies kept for backward (x, a columnwise) stay FP8 and are expanded there.
+# The zero-padded path for sizes off the tile (padded.py) still writes codes.
 # Run 33 (H100, DSv3): with the chunked quantize kernel, writing x's or dy's values costs no more than
 # writing their codes (0.549 / 0.734 ms against 0.567 / 0.807).
 QUANTIZE_TO_VALUES = True
