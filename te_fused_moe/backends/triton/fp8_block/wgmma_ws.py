@@ -60,12 +60,11 @@ TILE_PREFETCH = True
 # time (probe_plain, run 32: FC1's 1.709 -> 1.472 ms, cuBLAS FP8 1.494); the loads' latency, not the
 # promotion's FP32 work, was what they lost to cuBLAS (run 30: long scoreboard their largest stall).
 # Where TMA cannot read the scales (``wgmma_gemm.ring_scale_descriptors``) they are loaded as before.
-# Experimental, off: not yet run on a GPU as it stands. Its first build died on the H100 with an illegal
-# instruction (the weight scalar's 16-byte TMA box put stage 1's copy off the 128-byte alignment TMA
-# needs); the fix (``wgmma_gemm.SCALAR_BOX``) builds offline but no device time was left to run it.
-# Before turning it on: tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales (the same bits as the
-# loads), the FP8 block GPU tests with it on, then scripts/probe_plain.py and the bench's
-# fp8_block_fused_ring_scales. Off, the kernels build to the same instructions as before run 32.
+# Experimental, off: it dies on the GPU with an illegal instruction, with the weight scalar's TMA box 16
+# bytes wide (run 32) and 128 (``wgmma_gemm.SCALAR_BOX``, run 33); what the offline build rules out is in
+# benchmarks/NOTES.md, run 33. Before turning it on: tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales
+# (the same bits as the loads), the FP8 block GPU tests with it on, then scripts/probe_plain.py and the
+# bench's fp8_block_fused_ring_scales. Off, the kernels build to the same instructions as before run 32.
 RING_SCALES = False
 
 
