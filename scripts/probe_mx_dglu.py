@@ -1,0 +1,85 @@
+"""MXFP8's dGLU at DSv3 (32768 routed rows in 32 balanced experts, F 2048, swiglu, probs, db1 and dprob,
+dh written as values both ways): its GEMM alone, then the whole separate dGLU (the GEMM + its epilogue
+alone) with the epilogue on the GEMM kernel (``gemm.SEPARATE_DGLU_KERNEL = "gemm"``, the default) and on
+the chunked kernel (``"chunks"``, ``dglu_epilogue``) at a few launch configs (``dglu_epilogue.COLS`` /
+``WARPS``). A measurement tool, not a test: both kernels' bytes are checked by the MXFP8 tests.
+
+Why: run 33d measured the MLP 0.57 ms slower with the chunked epilogue than with the GEMM kernel's,
+though its offline build has 40% fewer instructions per element; this times the epilogues alone (the
+whole minus the GEMM) to find which config, if any, pays.
+
+  usage: python scripts/probe_mx_dglu.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from probe_results import write_and_print
+
+ROUTED, HIDDEN, FFN, EXPERTS = 32768, 7168, 2048, 32
+CHUNK_CONFIGS = [(128, 4), (128, 8), (64, 4), (64, 8)]  # (columns per program, warps)
+
+
+def run() -> dict:
+    import torch
+
+    from te_fused_moe.backends.triton.mxfp8 import dglu_epilogue, gemm, quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+    from te_fused_moe.bench import do_bench_ms
+
+    torch.manual_seed(0)
+    spec = Q.MXSpec()
+    counts = torch.full((EXPERTS,), ROUTED // EXPERTS, dtype=torch.int32, device="cuda")
+    sched = build_schedule(counts, ROUTED, Q.TILE)
+    dy = Q.expand_values(*_codes(Q, torch.randn(ROUTED, HIDDEN, device="cuda", dtype=torch.bfloat16), sched, spec))
+    w2t = torch.randn(EXPERTS, FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02  # w2's transposed copy
+    h = torch.randn(ROUTED, 2 * FFN, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(ROUTED, device="cuda")
+    cfg = gemm.default_config("dact", True)
+    dprob = torch.empty(FFN // cfg.block_n, ROUTED, device="cuda")
+    dbias = torch.empty(max_m_tiles(ROUTED, EXPERTS, Q.TILE), 2 * FFN, device="cuda")
+    # BF16 operands: their scales are not read (placeholders of the right rank)
+    a_scale = torch.zeros(1, 1, device="cuda", dtype=torch.uint8)
+    b_scale = torch.zeros(1, 1, 1, device="cuda", dtype=torch.uint8)
+    out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "device": torch.cuda.get_device_name()}
+
+    def dglu():
+        dh = Q.new_rows(ROUTED, 2 * FFN, h, spec, EXPERTS, True, True, row_values=True, col_values=True)
+        gemm.launch("dact", dy, a_scale, w2t, b_scale, FFN, sched, EXPERTS, spec, q=dh, q_up_offset=FFN, h=h,
+                    h_up_offset=FFN, probs=probs, dprob=dprob, dbias=dbias, activation="swiglu", gated=True,
+                    config=cfg)
+
+    da = torch.empty(ROUTED, FFN, device="cuda", dtype=torch.bfloat16)
+    gemm_ms = do_bench_ms(lambda: gemm.launch("fc2", dy, a_scale, w2t, b_scale, FFN, sched, EXPERTS, spec, c=da))
+    out["gemm_alone_ms"] = round(gemm_ms, 4)
+    shipped = (gemm.DACT_EPILOGUE, gemm.SEPARATE_DGLU_KERNEL, dglu_epilogue.COLS, dglu_epilogue.WARPS)
+    gemm.DACT_EPILOGUE = "separate"
+    try:
+        for name, kernel, cols, warps in [("gemm_kernel", "gemm", None, None)] + [
+                (f"chunks_{c}c_{w}w", "chunks", c, w) for c, w in CHUNK_CONFIGS]:
+            gemm.SEPARATE_DGLU_KERNEL = kernel
+            if cols:
+                dglu_epilogue.COLS, dglu_epilogue.WARPS = cols, warps
+            ms = do_bench_ms(dglu)
+            out[name] = {"ms": round(ms, 4), "epilogue_ms": round(ms - gemm_ms, 4)}
+    finally:
+        gemm.DACT_EPILOGUE, gemm.SEPARATE_DGLU_KERNEL, dglu_epilogue.COLS, dglu_epilogue.WARPS = shipped
+    return out
+
+
+def _codes(Q, x, sched, spec):
+    """x's rowwise MXFP8 copy (codes, scales), which the probe then expands to the values the GEMM reads."""
+    q = Q.quantize_rows(x, sched, EXPERTS, spec, rowwise=True)
+    return q.data, q.scale
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    write_and_print(run(), args.out, "probe_mx_dglu.json")
+
+
+if __name__ == "__main__":
+    main()
