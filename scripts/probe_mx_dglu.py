@@ -13,9 +13,7 @@ whole minus the GEMM) to find which config, if any, pays.
 
 from __future__ import annotations
 
-import argparse
-
-from probe_results import write_and_print
+from probe_results import run_and_save
 
 ROUTED, HIDDEN, FFN, EXPERTS = 32768, 7168, 2048, 32
 CHUNK_CONFIGS = [(128, 4), (128, 8), (64, 4), (64, 8)]  # (columns per program, warps)
@@ -74,12 +72,5 @@ def _codes(Q, x, sched, spec):
     return q.data, q.scale
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    write_and_print(run(), args.out, "probe_mx_dglu.json")
-
-
 if __name__ == "__main__":
-    main()
+    run_and_save(run, __doc__.splitlines()[0], "probe_mx_dglu.json")

@@ -19,9 +19,7 @@ rowwise copy (what ``x_values`` saves, next to what it costs).
 
 from __future__ import annotations
 
-import argparse
-
-from probe_results import write_and_print
+from probe_results import run_and_save
 
 ROUTED, HIDDEN, EXPERTS = 32768, 7168, 32
 MODES = {  # rowwise, colwise, row_values, col_values, col_sums
@@ -81,12 +79,5 @@ def run() -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    write_and_print(run(), args.out, "probe_mx_quantize.json")
-
-
 if __name__ == "__main__":
-    main()
+    run_and_save(run, __doc__.splitlines()[0], "probe_mx_quantize.json")
