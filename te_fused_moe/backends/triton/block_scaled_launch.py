@@ -80,23 +80,30 @@ def copies_width(x: torch.Tensor, width: Optional[int]) -> int:
     return width
 
 
+def copies_arguments(q, data_dummy: torch.Tensor, scale_dummy: torch.Tensor) -> tuple:
+    """The run ``q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn, qts_ptr, stride_qtsb``
+    of a kernel that writes quantized copies: ``q``'s present copies (:func:`codes_or_values`) and their
+    scales; for absent ones the other copy's buffer or the dummies, with zero strides."""
+    rowwise, colwise = quantized_copies(q)
+    q_data = codes_or_values(q.data) if rowwise else (codes_or_values(q.data_t) if colwise else data_dummy)
+    qt_data = codes_or_values(q.data_t) if colwise else q_data
+    return (q_data, q.data.stride(0) if rowwise else 0, *or_dummy(q.scale if rowwise else None, scale_dummy, 0, 1),
+            qt_data, q.data_t.stride(0) if colwise else 0, *or_dummy(q.scale_t if colwise else None, scale_dummy, 0))
+
+
 def kernel_operands(a_src, a: torch.Tensor, a_scale: torch.Tensor, b_src, b: torch.Tensor, b_scale: torch.Tensor,
                     b_up_rows: int, c=None, q=None, q_up_offset: int = 0, h=None, h_up_offset: int = 0, bias=None,
                     bias_up_offset: int = 0, probs=None, dprob=None, dbias=None) -> tuple:
     """The arguments from ``a_src`` to ``stride_dbias_t`` of ``fp8_grouped_gemm_kernel`` and
     ``mx_grouped_gemm_kernel``. ``q``: quantized-rows buffers (``data``, ``scale``, ``data_t``,
-    ``scale_t``); its present copies are written, as uint8 codes (or BF16 values, :func:`codes_or_values`)."""
+    ``scale_t``); its present copies are written (:func:`copies_arguments`)."""
     dummy = a_scale
-    rowwise, colwise = quantized_copies(q)
-    q_data = codes_or_values(q.data) if rowwise else (codes_or_values(q.data_t) if colwise else a.view(torch.uint8))
-    qt_data = codes_or_values(q.data_t) if colwise else q_data
     return (
         a_src, a.stride(0), a_scale, a_scale.stride(0), a_scale.stride(1),
         b_src, b.stride(0), b.stride(1), b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), b.shape[1],
         b_up_rows,
         *or_dummy(c, dummy, 0),
-        q_data, q.data.stride(0) if rowwise else 0, *or_dummy(q.scale if rowwise else None, dummy, 0, 1),
-        qt_data, q.data_t.stride(0) if colwise else 0, *or_dummy(q.scale_t if colwise else None, dummy, 0),
+        *copies_arguments(q, a.view(torch.uint8), dummy),
         q_up_offset,
         *or_dummy(h, dummy, 0), h_up_offset,
         *or_dummy(bias, dummy, 0), bias_up_offset,

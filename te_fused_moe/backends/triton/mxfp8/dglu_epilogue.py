@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, load_gate_up
-from ..block_scaled_launch import codes_or_values, or_dummy
+from ..block_scaled_launch import copies_arguments, or_dummy, quantized_copies
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, tile_rows, total_tiles
 from .quantize import TILE, MXSpec, store_mx_chunk
@@ -97,17 +97,13 @@ def launch(da: torch.Tensor, h: torch.Tensor, n: int, schedule: torch.Tensor, nu
     if n % COLS or COLS % part:
         raise ValueError(f"n: the chunked dGLU epilogue needs a multiple of {COLS} and part dividing it, "
                          f"got n={n}, part={part}")
-    rowwise, colwise = q.data is not None, q.data_t is not None
+    rowwise, colwise = quantized_copies(q)
     dummy = da
-    q_data = codes_or_values(q.data) if rowwise else (codes_or_values(q.data_t) if colwise else dummy)
-    qt_data = codes_or_values(q.data_t) if colwise else q_data
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
     dglu_chunks_kernel[(m_tiles, n // COLS)](
         da, da.stride(0), h, h.stride(0), h_up_offset, probs if probs is not None else dummy,
         *or_dummy(dprob, dummy, 0), *or_dummy(dbias, dummy, 0),
-        q_data, q.data.stride(0) if rowwise else 0, *or_dummy(q.scale if rowwise else None, dummy, 0, 1),
-        qt_data, q.data_t.stride(0) if colwise else 0,
-        *or_dummy(q.scale_t if colwise else None, dummy, 0), q_up_offset,
+        *copies_arguments(q, dummy, dummy), q_up_offset,
         schedule, n, float(alpha), float(limit), num_experts + 1,
         ACT=ACT_IDS[activation], GATED=gated, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, **spec.constexprs(), BM=TILE, BK=COLS,

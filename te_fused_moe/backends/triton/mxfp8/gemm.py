@@ -148,7 +148,7 @@ def _fc1_part(acc, acc_up, cols, rows64, row_ok, N, p, expert, is_padding, tile,
     # zeros on the padding group and past N (FC1 at an F off the tile: zero codes there, padded.py)
     value = tl.where(bias_mask[None, :], value * p[:, None], 0.0)
     store_mx(value, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
-              qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
+             qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
 
 
 @triton.jit
@@ -172,12 +172,11 @@ def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_h
             tl.store(db_ptrs + h_up_offset, tl.sum(tl.where(out_mask, du, 0.0), axis=0), mask=col_ok)
     dg = tl.where(is_padding, 0.0, dg)
     store_mx(dg, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
-              qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
+             qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
     if GATED:
         du = tl.where(is_padding, 0.0, du)
         store_mx(du, rows64, row_ok, cols + q_up_offset, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
-                  qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM,
-                  BN)
+                 qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
     return part
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block_scaled_launch import codes_or_values, copies_width
+from ..block_scaled_launch import copies_arguments, copies_width
 from ..fp8_block.codec import encode_fp8, nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
@@ -159,6 +159,16 @@ def values_of(codes, scales, MANT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.co
 
 
 @triton.jit
+def store_codes_or_values(ptrs, codes, scales, mask, MANT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Stores FP8 ``codes`` [ROWS, COLS] at ``ptrs``, or, where ``ptrs`` point into a BF16 buffer (a copy
+    written as values), their values with E8M0 ``scales`` [ROWS, COLS / 32] (:func:`values_of`)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, values_of(codes, scales, MANT, ROWS, COLS), mask=mask)
+    else:
+        tl.store(ptrs, codes, mask=mask)
+
+
+@triton.jit
 def store_mx(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk, qt_ptr, stride_qtn,
              qts_ptr, stride_qtsb, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr,
              EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr, BM: tl.constexpr,
@@ -173,21 +183,15 @@ def store_mx(v, rows64, row_ok, cols, tile, q_ptr, stride_qm, qs_ptr, stride_qsm
     col0 = tl.min(cols, axis=0)
     if ROWWISE:
         codes, sc = quantize_rowwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-        if q_ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], values_of(codes, sc, MANT, BM, BN), mask=mask)
-        else:
-            tl.store(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, mask=mask)
+        store_codes_or_values(q_ptr + rows64[:, None] * stride_qm + cols[None, :], codes, sc, mask, MANT, BM, BN)
         kb = col0 // 32 + tl.arange(0, BN // 32)
         tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=mask)
     if COLWISE:
         codes_c, sc_c = quantize_colwise_block(v, BM, BN, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
         codes_t = tl.trans(tl.where(mask, codes_c, 0).to(tl.uint8))
         slot = tile * BM + tl.arange(0, BM)
-        qt_ptrs = qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :]
-        if qt_ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(qt_ptrs, values_of(codes_t, tl.trans(sc_c), MANT, BN, BM))
-        else:
-            tl.store(qt_ptrs, codes_t)
+        store_codes_or_values(qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + slot[None, :], codes_t,
+                              tl.trans(sc_c), None, MANT, BN, BM)
         tb = tile * (BM // 32) + tl.arange(0, BM // 32)
         tl.store(qts_ptr + tb[:, None] * stride_qtsb + cols[None, :], sc_c)
 
@@ -205,22 +209,16 @@ def store_mx_chunk(v, first, row_ok, cols, block, q_ptr, stride_qm, qs_ptr, stri
     chunk = tl.arange(0, 32)
     if ROWWISE:
         codes, sc = quantize_rowwise_block(v, 32, BK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-        q_ptrs = q_ptr + first * stride_qm + (chunk * stride_qm)[:, None] + cols[None, :]
-        if q_ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(q_ptrs, values_of(codes, sc, MANT, 32, BK), mask=row_ok[:, None])
-        else:
-            tl.store(q_ptrs, codes, mask=row_ok[:, None])
+        store_codes_or_values(q_ptr + first * stride_qm + (chunk * stride_qm)[:, None] + cols[None, :], codes, sc,
+                              row_ok[:, None], MANT, 32, BK)
         kb = tl.min(cols, axis=0) // 32 + tl.arange(0, BK // 32)
         tl.store(qs_ptr + first * stride_qsm + (chunk * stride_qsm)[:, None] + kb[None, :] * stride_qsk, sc,
                  mask=row_ok[:, None])
     if COLWISE:
         code, mult = mx_scale(tl.max(nan_free_abs(v), axis=0), MAX_NORM_RCP)
         codes_t = tl.trans(encode_fp8(v * mult[None, :], MANT, EBIAS, FP8_MAX))
-        qt_ptrs = (qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + block * 32) + chunk[None, :]
-        if qt_ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(qt_ptrs, values_of(codes_t, tl.reshape(code, (BK, 1)), MANT, BK, 32))
-        else:
-            tl.store(qt_ptrs, codes_t)
+        store_codes_or_values((qt_ptr + cols.to(tl.int64)[:, None] * stride_qtn + block * 32) + chunk[None, :],
+                              codes_t, tl.reshape(code, (BK, 1)), None, MANT, BK, 32)
         tl.store(qts_ptr + block * stride_qtsb + cols, code)
 
 
@@ -230,7 +228,7 @@ def quantize_chunks_kernel(
     q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
     qt_ptr, stride_qtk, qts_ptr, stride_qtsb,
     colsum_ptr, stride_cst,
-    sched_ptr, K, X_COLS, NUM_GROUPS,
+    sched_ptr, X_COLS, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr,
     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
@@ -238,7 +236,7 @@ def quantize_chunks_kernel(
     """One program per (schedule M tile, ``BK`` columns), the tile's rows (one group's) 32 at a time:
     1x32 rowwise blocks and, with ``COLWISE``, the chunk's 32-token block of the columnwise copy, as
     codes or values (:func:`store_mx_chunk`); with ``COLSUM`` the tile's FP32 column sums (bias
-    gradients). ``K`` columns are written, x's first ``X_COLS`` (<= K) read: the rest as zeros.
+    gradients). The grid's columns are written, x's first ``X_COLS`` read: the rest as zeros.
 
     Why chunks: building the columnwise blocks from the whole 128-row tile by 3-D reshapes (the kernel
     before run 33, as ``store_mx`` still does in the GEMM epilogues) took 64 SASS instructions per
@@ -326,13 +324,9 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
                    col_values=col_values)
     dummy = x.view(torch.uint8)
     quantize_chunks_kernel[(m_tiles, k // QUANT_COLS)](
-        x, x.stride(0),
-        codes_or_values(out.data) if rowwise else dummy, out.data.stride(0) if rowwise else 0,
-        out.scale if rowwise else dummy, out.scale.stride(0) if rowwise else 0, out.scale.stride(1) if rowwise else 0,
-        codes_or_values(out.data_t) if colwise else dummy, out.data_t.stride(0) if colwise else 0,
-        out.scale_t if colwise else dummy, out.scale_t.stride(0) if colwise else 0,
+        x, x.stride(0), *copies_arguments(out, dummy, dummy),
         col_sums if col_sums is not None else x, col_sums.stride(0) if col_sums is not None else 0,
-        schedule, k, x_cols, num_experts + 1,
+        schedule, x_cols, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, **spec.constexprs(), BM=TILE, BK=QUANT_COLS,
         num_warps=4 if interpreting() else QUANT_WARPS,
     )
