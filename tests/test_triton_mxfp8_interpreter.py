@@ -35,6 +35,7 @@ What is checked, and the bounds:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -321,6 +322,29 @@ def check_weight_values(device: str, w: torch.Tensor) -> dict:
                 plain_entry_has_no_values=without is not with_values and without.values is None)
 
 
+@contextlib.contextmanager
+def _expansions_counted(**flags):
+    """``mxfp8.autograd``'s ``flags`` set and its ``expand_values`` spied on inside; yields the list the spy
+    fills with each expanded operand's rank (2: an activation or gradient copy, 3: a weight)."""
+    from te_fused_moe.backends.triton.mxfp8 import autograd
+
+    shipped = {name: getattr(autograd, name) for name in ("expand_values", *flags)}
+    dims = []
+
+    def spy(data, scale, alloc=torch.empty):
+        dims.append(data.dim())
+        return shipped["expand_values"](data, scale, alloc=alloc)
+
+    autograd.expand_values = spy
+    for name, value in flags.items():
+        setattr(autograd, name, value)
+    try:
+        yield dims
+    finally:
+        for name, value in shipped.items():
+            setattr(autograd, name, value)
+
+
 def check_weight_reads(device: str) -> dict:
     """How many weight expansions (3-D operands through the reader) the second of two forward +
     backward passes runs: with ``BF16_WEIGHT_VALUES`` none (the GEMMs read the cache's values), without
@@ -329,23 +353,13 @@ def check_weight_reads(device: str) -> dict:
     from moe_reference import random_problem
 
     from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.backends.triton.mxfp8 import autograd
     from te_fused_moe.recipes import MXFP8BlockScaling
 
     p = random_problem(256, 128, 128, 2, dtype=torch.bfloat16, device=device, seed=11)
     dy = torch.randn(256, 128, generator=torch.Generator().manual_seed(12)).to(device=device, dtype=torch.bfloat16)
-    shipped_expand, shipped_flag = autograd.expand_values, autograd.BF16_WEIGHT_VALUES
-    dims = []
-
-    def spy(data, scale, alloc=torch.empty):
-        dims.append(data.dim())
-        return shipped_expand(data, scale, alloc=alloc)
-
     out = {}
-    autograd.expand_values = spy
-    try:
-        for flag in (True, False):
-            autograd.BF16_WEIGHT_VALUES = flag
+    for flag in (True, False):
+        with _expansions_counted(BF16_WEIGHT_VALUES=flag) as dims:
             for _ in range(2):
                 dims.clear()
                 x = p["x"].clone().requires_grad_()
@@ -355,8 +369,6 @@ def check_weight_reads(device: str) -> dict:
             out[f"weight_expansions_{flag}"] = dims.count(3)
             out[f"activation_expansions_{flag}"] = dims.count(2)
             out[f"dx_{flag}"] = x.grad.float().cpu()
-    finally:
-        autograd.expand_values, autograd.BF16_WEIGHT_VALUES = shipped_expand, shipped_flag
     out["dx_bad"] = _diff8(out.pop("dx_True"), out.pop("dx_False"))
     return out
 
@@ -370,25 +382,14 @@ def check_values_in_pass(device: str, seed: int = 21) -> dict:
     from moe_reference import random_problem
 
     from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.backends.triton.mxfp8 import autograd
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
     p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, bias=True, probs=True, routing="empty",
                        padding=5, seed=seed)
     dy = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
-    shipped_expand, shipped_flag = autograd.expand_values, autograd.QUANTIZE_TO_VALUES
-    dims = []
-
-    def spy(data, scale, alloc=torch.empty):
-        dims.append(data.dim())
-        return shipped_expand(data, scale, alloc=alloc)
-
     out, results = {}, {}
-    autograd.expand_values = spy
-    try:
-        for flag in (False, True):
-            autograd.QUANTIZE_TO_VALUES = flag
-            dims.clear()
+    for flag in (False, True):
+        with _expansions_counted(QUANTIZE_TO_VALUES=flag) as dims:
             leaves = {k: p[k].detach().clone().requires_grad_() for k in ("x", "w1", "w2", "b1", "b2", "probs")}
             y = fused_moe_mlp(leaves["x"], p["tokens_per_expert"], leaves["w1"], leaves["w2"], b1=leaves["b1"],
                               b2=leaves["b2"], probs=leaves["probs"], activation="swiglu",
@@ -396,8 +397,6 @@ def check_values_in_pass(device: str, seed: int = 21) -> dict:
             y.backward(dy)
             results[flag] = {"y": y.detach(), **{k: t.grad for k, t in leaves.items()}}
             out[f"activation_expansions_{flag}"] = dims.count(2)
-    finally:
-        autograd.expand_values, autograd.QUANTIZE_TO_VALUES = shipped_expand, shipped_flag
     out["bad"] = {k: _diff8(results[False][k], results[True][k]) for k in results[False]}
     out["sums_step"] = {k: float((results[False][k].float() - results[True][k].float()).abs().max()
                                  / results[False][k].float().abs().max()) for k in ("b1", "b2", "probs")}
