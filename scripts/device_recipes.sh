@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -23,6 +23,8 @@
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config
 # (scripts/probe_mx_dglu.py). ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
 # weight scales' width), then at K = 512 under compute-sanitizer's memcheck where the image has it.
+# ring_bisect: RING_SCALES' plain GEMM in a process per variant (the consumers' shared-memory reads of the scales
+# swapped for constants, one or both; scripts/probe_ring_debug.py): which part dies.
 # mx_quantize_probe: MXFP8's quantize pass at DSv3's x at a few launch configs, codes and values
 # (scripts/probe_mx_quantize.py).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
@@ -111,10 +113,11 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
     ring_debug) step pytest_ring_k4096 "${WGMMA_TESTS_TIMEOUT:-150}" python -m pytest -m gpu -q -p no:cacheprovider \
                   tests/gpu/test_fp8_block_wgmma_gpu.py -k "ring_scales and 4096"
                 if command -v compute-sanitizer > /dev/null; then
-                  step sanitizer_ring "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 \
+                  step sanitizer_ring "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --print-limit 20 --show-backtrace device \
                     python -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fp8_block_wgmma_gpu.py \
                     -k "ring_scales and 512 and 1-"
                 fi;;
+    ring_bisect) step probe_ring_debug "${PROBE_TIMEOUT:-300}" python scripts/probe_ring_debug.py --out "$OUT/probe_ring_debug";;
     mx_quantize_probe) step probe_mx_quantize "${PROBE_TIMEOUT:-120}" python scripts/probe_mx_quantize.py \
                          --out "$OUT/probe_mx_quantize";;
     mxfp8_weights_bench) step recipes_mxfp8_bf16_weights "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \

@@ -1,0 +1,129 @@
+"""Where ``wgmma_ws.RING_SCALES`` dies (run 32-33: "illegal instruction" on the GPU, nothing wrong in the
+offline sm_90a build): the plain FP8 block GEMM, forward orientation, E4M3, one problem, run in a fresh
+process per variant (an illegal instruction ends the CUDA context), CUDA_LAUNCH_BLOCKING=1:
+
+- ``loads``: RING_SCALES off (the control);
+- ``ring``: RING_SCALES on, as shipped;
+- ``ring_no_smem_reads``: on, but the consumers take constant scales instead of reading the stage's
+  (``wgmma_gemm._ring_scales`` swapped for a Gluon function with no shared-memory read): survives if
+  the consumers' reads are what dies, dies if the producer's TMA copies are;
+- ``ring_rows_only`` / ``ring_scalar_only``: the consumers read one of the two scale buffers, the other
+  a constant.
+
+At K = 512 (RING_DEBUG_KS: a comma list). A measurement tool, not a test: prints and saves each
+variant's exit code, its last stderr line and whether its output matched ``loads``.
+
+  usage: python scripts/probe_ring_debug.py [--out DIR]       (a GPU)
+         python scripts/probe_ring_debug.py --variant NAME --k K  (one case; what the parent runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from probe_results import write_and_print
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
+
+VARIANTS = ["loads", "ring", "ring_no_smem_reads", "ring_rows_only", "ring_scalar_only"]
+KS = [int(k) for k in os.environ.get("RING_DEBUG_KS", "512").split(",")]  # K values the parent runs
+COUNTS = [0, 0, 0, 130, 1, 0, 0, 0, 0, 128, 300, 0, 1, 257, 0, 0]
+
+
+# which of the stage's two scale buffers _some_ring_scales reads (set before the first compile)
+READ_ROWS = gl.constexpr(False)
+READ_SCALAR = gl.constexpr(False)
+
+
+@gluon.jit
+def _constant_ring_scales(ring, j, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND: gl.constexpr,
+                          BANDS: gl.constexpr):
+    BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
+    return gl.full([BLOCK_M, 1], 1.0, gl.float32, mma), gl.full([1, 1], 1.0, gl.float32, mma)
+
+
+@gluon.jit
+def _some_ring_scales(ring, j, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND: gl.constexpr, BANDS: gl.constexpr):
+    BLOCK_M: gl.constexpr = ring[2].shape[1] // BANDS
+    stage = W.ring_slot(j, NUM_STAGES)[0]
+    if READ_ROWS:
+        rows = ring[6].index(stage).permute((1, 0)).slice(BAND * BLOCK_M, BLOCK_M).load(mma)
+    else:
+        rows = gl.full([BLOCK_M, 1], 1.0, gl.float32, mma)
+    if READ_SCALAR:
+        scalar = ring[9].index(stage).slice(0, 1, dim=1).load(mma)
+    else:
+        scalar = gl.full([1, 1], 1.0, gl.float32, mma)
+    return rows, scalar
+
+
+def _swap_ring_reads(variant: str) -> None:
+    """Replaces ``wgmma_gemm._ring_scales`` for the variants that drop one or both shared-memory reads."""
+    global READ_ROWS, READ_SCALAR
+    READ_ROWS = gl.constexpr(variant == "ring_rows_only")
+    READ_SCALAR = gl.constexpr(variant == "ring_scalar_only")
+    W._ring_scales = _constant_ring_scales if variant == "ring_no_smem_reads" else _some_ring_scales
+
+
+def one_case(variant: str, k: int) -> None:
+    import torch
+
+    from te_fused_moe.backends.triton.fp8_block import gemm, quantize as Q, wgmma_ws
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    wgmma_ws.RING_SCALES = variant != "loads"
+    if variant not in ("loads", "ring"):
+        _swap_ring_reads(variant)
+    g = torch.Generator().manual_seed(70)
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    T, N, E = int(counts.sum()) + 7, 384, len(COUNTS)
+    spec = Q.FP8Spec.of("e4m3", True)
+    a = (torch.randn(T, k, generator=g)).cuda().bfloat16()
+    w = (torch.randn(E, N, k, generator=g) * 0.05).cuda().bfloat16()
+    counts = counts.cuda()
+    sched = build_schedule(counts, T, 128)
+    aq = Q.quantize_rows(a, sched, E, spec, rowwise=True)
+    wq = Q.quantize_weight(w, spec, transposed=False)
+    c = torch.full((T, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.launch("fc2", aq.data, aq.scale, wq.data, wq.scale, N, sched, E, Q.FP8Spec(), c=c)
+    torch.cuda.synchronize()
+    torch.save(c.cpu(), f"/tmp/ring_debug_{variant}_{k}.pt")
+    print("ok", variant, k)
+
+
+def run_all() -> dict:
+    import torch
+
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    out = {}
+    for k in KS:
+        for variant in VARIANTS:
+            p = subprocess.run([sys.executable, __file__, "--variant", variant, "--k", str(k)], env=env,
+                               capture_output=True, text=True, timeout=300)
+            lines = [l for l in (p.stderr + p.stdout).splitlines() if l.strip()]
+            entry = {"rc": p.returncode, "last": lines[-1][-300:] if lines else ""}
+            path = f"/tmp/ring_debug_{variant}_{k}.pt"
+            if p.returncode == 0 and variant != "loads" and os.path.exists(f"/tmp/ring_debug_loads_{k}.pt"):
+                ref, got = torch.load(f"/tmp/ring_debug_loads_{k}.pt"), torch.load(path)
+                entry["equal_to_loads"] = bool(torch.equal(ref, got))
+                entry["nan"] = int(got.isnan().sum())
+            out[f"{variant}_k{k}"] = entry
+            print(variant, k, entry, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--variant", choices=VARIANTS)
+    parser.add_argument("--k", type=int, default=512)
+    args = parser.parse_args()
+    if args.variant:
+        one_case(args.variant, args.k)
+    else:
+        write_and_print(run_all(), args.out, "probe_ring_debug.json")
