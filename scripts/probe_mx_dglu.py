@@ -2,7 +2,7 @@
 dh written as values both ways): its GEMM alone, then the whole separate dGLU (the GEMM + its epilogue
 alone) with the epilogue on the GEMM kernel (``gemm.SEPARATE_DGLU_KERNEL = "gemm"``, the default) and on
 the chunked kernel (``"chunks"``, ``dglu_epilogue``) at a few launch configs (``dglu_epilogue.COLS`` /
-``WARPS``). A measurement tool, not a test: both kernels' bytes are checked by the MXFP8 tests.
+``WARPS`` / ``UNROLL``). A measurement tool, not a test: both kernels' bytes are checked by the MXFP8 tests.
 
 Why: run 33d measured the MLP 0.57 ms slower with the chunked epilogue than with the GEMM kernel's,
 though its offline build has 40% fewer instructions per element; this times the epilogues alone (the
@@ -16,7 +16,8 @@ from __future__ import annotations
 from probe_results import run_and_save
 
 ROUTED, HIDDEN, FFN, EXPERTS = 32768, 7168, 2048, 32
-CHUNK_CONFIGS = [(128, 4), (128, 8), (64, 4), (64, 8)]  # (columns per program, warps)
+# (columns per program, warps, unroll factor of the loop over a tile's chunks)
+CHUNK_CONFIGS = [(c, w, u) for u in (4, 1) for c, w in ((128, 4), (128, 8), (64, 4), (64, 8))]
 
 
 def run() -> dict:
@@ -51,18 +52,20 @@ def run() -> dict:
     da = torch.empty(ROUTED, FFN, device="cuda", dtype=torch.bfloat16)
     gemm_ms = do_bench_ms(lambda: gemm.launch("fc2", dy, a_scale, w2t, b_scale, FFN, sched, EXPERTS, spec, c=da))
     out["gemm_alone_ms"] = round(gemm_ms, 4)
-    shipped = (gemm.DACT_EPILOGUE, gemm.SEPARATE_DGLU_KERNEL, dglu_epilogue.COLS, dglu_epilogue.WARPS)
+    shipped = (gemm.DACT_EPILOGUE, gemm.SEPARATE_DGLU_KERNEL, dglu_epilogue.COLS, dglu_epilogue.WARPS,
+               dglu_epilogue.UNROLL)
     gemm.DACT_EPILOGUE = "separate"
     try:
-        for name, kernel, cols, warps in [("gemm_kernel", "gemm", None, None)] + [
-                (f"chunks_{c}c_{w}w", "chunks", c, w) for c, w in CHUNK_CONFIGS]:
+        for name, kernel, launch_config in [("gemm_kernel", "gemm", None)] + [
+                (f"chunks_{c}c_{w}w_unroll{u}", "chunks", (c, w, u)) for c, w, u in CHUNK_CONFIGS]:
             gemm.SEPARATE_DGLU_KERNEL = kernel
-            if cols:
-                dglu_epilogue.COLS, dglu_epilogue.WARPS = cols, warps
+            if launch_config:
+                dglu_epilogue.COLS, dglu_epilogue.WARPS, dglu_epilogue.UNROLL = launch_config
             ms = do_bench_ms(dglu)
             out[name] = {"ms": round(ms, 4), "epilogue_ms": round(ms - gemm_ms, 4)}
     finally:
-        gemm.DACT_EPILOGUE, gemm.SEPARATE_DGLU_KERNEL, dglu_epilogue.COLS, dglu_epilogue.WARPS = shipped
+        (gemm.DACT_EPILOGUE, gemm.SEPARATE_DGLU_KERNEL, dglu_epilogue.COLS, dglu_epilogue.WARPS,
+         dglu_epilogue.UNROLL) = shipped
     return out
 
 

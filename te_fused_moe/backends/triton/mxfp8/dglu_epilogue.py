@@ -24,6 +24,10 @@ from .quantize import TILE, MXSpec, store_mx_chunk
 
 # columns per program and warps (the quantize pass's chunked kernel's launch, run 33)
 COLS, WARPS = 128, 4
+# Triton's unroll factor of the loop over a tile's four chunks: 4 unrolls it (as tl.static_range did), 1
+# keeps one chunk's values live at a time. Offline (sm_90a, 128 columns, 4 warps) both take 255 registers,
+# unrolled with 32 bytes of spills: one or two programs per SM, so few warps hide the loads' latency.
+UNROLL = 4
 
 
 @triton.jit
@@ -35,7 +39,7 @@ def dglu_chunks_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr,
     WRITE_DBIAS: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, MANT: tl.constexpr,
     EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    PART: tl.constexpr,
+    PART: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One program per (schedule M tile, ``BK`` gate columns): the tile's rows 32 at a time. dprob
     partials per ``PART`` columns (the GEMM kernel's N tile: row ``col // PART`` of ``dprob``)."""
@@ -49,7 +53,7 @@ def dglu_chunks_kernel(
     chunk = tl.arange(0, 32)
     dg_sum = tl.zeros((BK,), tl.float32)
     du_sum = tl.zeros((BK,), tl.float32)
-    for j in tl.static_range(BM // 32):
+    for j in tl.range(0, BM // 32, loop_unroll_factor=UNROLL):
         first = row0.to(tl.int64) + j * 32  # the chunk's first row: one 64-bit base, 32-bit offsets
         row_ok = (row0 + j * 32 + chunk) < row_end
         mask = row_ok[:, None] & col_ok[None, :]
@@ -107,5 +111,5 @@ def launch(da: torch.Tensor, h: torch.Tensor, n: int, schedule: torch.Tensor, nu
         schedule, n, float(alpha), float(limit), num_experts + 1,
         ACT=ACT_IDS[activation], GATED=gated, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, **spec.constexprs(), BM=TILE, BK=COLS,
-        PART=part, num_warps=4 if interpreting() else WARPS,
+        PART=part, UNROLL=UNROLL, num_warps=4 if interpreting() else WARPS,
     )
