@@ -107,7 +107,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                     tests/gpu/test_triton_mxfp8_gpu.py -k "values or codes or no_host_syncs or graph"
                   step recipes_mxfp8_values "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
-                    mxfp8_fused,mxfp8_unfused,mxfp8_fused_codes,mxfp8_fused_chunked_dglu_epilogue,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights,mxfp8_fused_bf16_weights_codes \
+                    mxfp8_fused,mxfp8_unfused,mxfp8_fused_codes,mxfp8_fused_gemm_dglu_epilogue,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights,mxfp8_fused_bf16_weights_codes \
                     --out "$OUT/recipes_mxfp8_values";;
     mx_dglu_probe) step probe_mx_dglu "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_dglu.py --out "$OUT/probe_mx_dglu";;
     ring_debug) step pytest_ring_k4096 "${WGMMA_TESTS_TIMEOUT:-150}" python -m pytest -m gpu -q -p no:cacheprovider \

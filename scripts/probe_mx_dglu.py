@@ -1,12 +1,13 @@
 """MXFP8's dGLU at DSv3 (32768 routed rows in 32 balanced experts, F 2048, swiglu, probs, db1 and dprob,
 dh written as values both ways): its GEMM alone, then the whole separate dGLU (the GEMM + its epilogue
-alone) with the epilogue on the GEMM kernel (``gemm.SEPARATE_DGLU_KERNEL = "gemm"``, the default) and on
-the chunked kernel (``"chunks"``, ``dglu_epilogue``) at a few launch configs (``dglu_epilogue.COLS`` /
-``WARPS`` / ``UNROLL``). A measurement tool, not a test: both kernels' bytes are checked by the MXFP8 tests.
+alone) with the epilogue on the GEMM kernel (``gemm.SEPARATE_DGLU_KERNEL = "gemm"``) and on the chunked
+kernel (``"chunks"``, ``dglu_epilogue``, the default since run 34) at a few launch configs
+(``dglu_epilogue.COLS`` / ``WARPS`` / ``UNROLL``). A measurement tool, not a test: both kernels' bytes are
+checked by the MXFP8 tests.
 
 Why: run 33d measured the MLP 0.57 ms slower with the chunked epilogue than with the GEMM kernel's,
-though its offline build has 40% fewer instructions per element; this times the epilogues alone (the
-whole minus the GEMM) to find which config, if any, pays.
+though its offline build has 40% fewer instructions per element; run 34 timed the epilogues alone (the
+whole minus the GEMM) and found the launch that pays (``dglu_epilogue``'s comment).
 
   usage: python scripts/probe_mx_dglu.py [--out DIR]
 """
@@ -16,8 +17,9 @@ from __future__ import annotations
 from probe_results import run_and_save
 
 ROUTED, HIDDEN, FFN, EXPERTS = 32768, 7168, 2048, 32
-# (columns per program, warps, unroll factor of the loop over a tile's chunks)
-CHUNK_CONFIGS = [(c, w, u) for u in (4, 1) for c, w in ((128, 4), (128, 8), (64, 4), (64, 8))]
+# (columns per program, warps, unroll factor of the loop over a tile's chunks): run 34 timed 64 / 128 columns
+# at 4 / 8 warps, unrolled (4) and not (1); these are the shipped launch (64, 4, 1) and its neighbours
+CHUNK_CONFIGS = [(64, 4, 1), (64, 4, 2), (64, 2, 1), (64, 2, 2), (128, 4, 1), (128, 4, 2)]
 
 
 def run() -> dict:

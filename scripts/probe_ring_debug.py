@@ -8,7 +8,14 @@ process per variant (an illegal instruction ends the CUDA context), CUDA_LAUNCH_
   (``wgmma_gemm._ring_scales`` swapped for a Gluon function with no shared-memory read): survives if
   the consumers' reads are what dies, dies if the producer's TMA copies are;
 - ``ring_rows_only`` / ``ring_scalar_only``: the consumers read one of the two scale buffers, the other
-  a constant.
+  a constant;
+- ``ring_scalar_box_on_rows``: the scalar's descriptor made over the row scales (the tensor whose TMA load
+  runs) with the scalar's box: dies if the box or the second copy per stage is what fails, runs if the
+  weight scales' tensor is (its numbers are then wrong: only the exit code counts);
+- ``ring_scalar_box128``: the scalar's box 128 scales wide, as the row scales' is.
+
+Run 34 (H100): ``ring`` and the three read variants die at the scalar's TMA copy
+(``wgmma_ws.py``'s ``tma_load(ws_desc, ...)``, compute-sanitizer: illegal instruction).
 
 At K = 512 (RING_DEBUG_KS: a comma list). A measurement tool, not a test: prints and saves each
 variant's exit code, its last stderr line and whether its output matched ``loads``.
@@ -30,7 +37,8 @@ from triton.experimental.gluon import language as gl
 
 from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
 
-VARIANTS = ["loads", "ring", "ring_no_smem_reads", "ring_rows_only", "ring_scalar_only"]
+VARIANTS = ["loads", "ring", "ring_no_smem_reads", "ring_rows_only", "ring_scalar_only", "ring_scalar_box_on_rows",
+            "ring_scalar_box128"]
 KS = [int(k) for k in os.environ.get("RING_DEBUG_KS", "512").split(",")]  # K values the parent runs
 COUNTS = [0, 0, 0, 130, 1, 0, 0, 0, 0, 128, 300, 0, 1, 257, 0, 0]
 
@@ -70,6 +78,23 @@ def _swap_ring_reads(variant: str) -> None:
     W._ring_scales = _constant_ring_scales if variant == "ring_no_smem_reads" else _some_ring_scales
 
 
+def _swap_scalar_descriptor(variant: str) -> None:
+    """Replaces ``wgmma_gemm.ring_scale_descriptors`` for the variants that change the scalar's descriptor."""
+    shipped = W.ring_scale_descriptors
+    unswizzled = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+    def descriptors(a_scale, b_scale, b_rows):
+        descs = shipped(a_scale, b_scale, b_rows)
+        if descs is None:
+            return None
+        if variant == "ring_scalar_box_on_rows":
+            return descs[0], W._tma_descriptor(a_scale.t(), [1, W.SCALAR_BOX], unswizzled)
+        flat_b = b_scale.view(b_scale.shape[0] * b_scale.shape[1], b_scale.shape[2])
+        return descs[0], W._tma_descriptor(flat_b, [1, W.BM], unswizzled)
+
+    W.ring_scale_descriptors = descriptors
+
+
 def one_case(variant: str, k: int) -> None:
     import torch
 
@@ -77,7 +102,9 @@ def one_case(variant: str, k: int) -> None:
     from te_fused_moe.backends.triton.schedule import build_schedule
 
     wgmma_ws.RING_SCALES = variant != "loads"
-    if variant not in ("loads", "ring"):
+    if variant.startswith("ring_scalar_box"):
+        _swap_scalar_descriptor(variant)
+    elif variant not in ("loads", "ring"):
         _swap_ring_reads(variant)
     g = torch.Generator().manual_seed(70)
     counts = torch.tensor(COUNTS, dtype=torch.int32)

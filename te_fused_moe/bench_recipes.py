@@ -267,7 +267,7 @@ def _fused_under(recipe: str, _path=_fused, **module_flags: Dict):
 # Variants: the expanding recipes' GEMMs expanding quantized operands in their K loops (no transient
 # BF16 values; the default before run 15), NVFP4's and MXFP8's weight caches holding BF16 values, MXFP8's
 # quantize passes and epilogues writing codes (no QUANTIZE_TO_VALUES) or its separate dGLU epilogue on
-# its chunked kernel, and the FP8 block
+# the GEMM kernel (the default before run 34), and the FP8 block
 # recipe on its Triton kernels only (no Gluon kernel: the path before run 16), or with its FC1 and dGLU
 # as one kernel each instead of the Gluon GEMM + the epilogue alone (the default on sm_90 since run 16;
 # at an FFN size off the tile, e.g. gpt-oss, FC1 and the dGLU then run as GLU passes + quantize passes
@@ -317,9 +317,10 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       "mxfp8_fused_codes": _fused_under("mxfp8", autograd=dict(QUANTIZE_TO_VALUES=False)),
                       "mxfp8_fused_bf16_weights_codes": _fused_under(
                           "mxfp8", autograd=dict(BF16_WEIGHT_VALUES=True, QUANTIZE_TO_VALUES=False)),
-                      # the separate dGLU epilogue on its chunked kernel (gemm.SEPARATE_DGLU_KERNEL)
-                      "mxfp8_fused_chunked_dglu_epilogue": _fused_under(
-                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="chunks"))},
+                      # the separate dGLU epilogue on the GEMM kernel (gemm.SEPARATE_DGLU_KERNEL; the
+                      # default before run 34) instead of its chunked kernel
+                      "mxfp8_fused_gemm_dglu_epilogue": _fused_under(
+                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="gemm"))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

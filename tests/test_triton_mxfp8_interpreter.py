@@ -78,8 +78,8 @@ MLP_CASES = [
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
-    # ... on its chunked kernel (gemm.SEPARATE_DGLU_KERNEL = "chunks")
-    ("swiglu-empty-pad-sepdglu-chunks", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    # ... on the GEMM kernel's epilogue (gemm.SEPARATE_DGLU_KERNEL = "gemm"; the default is the chunked kernel)
+    ("swiglu-empty-pad-sepdglu-gemm", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
@@ -578,7 +578,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
     dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if "-sepdglu" in case_id else "fused"
     dglu_kernel = gemm.SEPARATE_DGLU_KERNEL
-    gemm.SEPARATE_DGLU_KERNEL = "chunks" if case_id.endswith("-sepdglu-chunks") else dglu_kernel
+    gemm.SEPARATE_DGLU_KERNEL = "gemm" if case_id.endswith("-sepdglu-gemm") else dglu_kernel
     values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
     written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, "-codes" not in case_id
     try:
@@ -728,7 +728,7 @@ def _worker() -> None:
         "exact_written_values_separate_dglu_chunks": check_kernels_exact(
             "cpu", seed=12, T=200, H=128, values=True, written_values=True, dglu_kernel="chunks",
             epilogue=dict(epilogue="separate")),
-        "exact_separate_dglu_chunks": check_kernels_exact("cpu", seed=13, T=200, H=128, dglu_kernel="chunks",
+        "exact_separate_dglu_gemm_kernel": check_kernels_exact("cpu", seed=13, T=200, H=128, dglu_kernel="gemm",
                                                           epilogue=dict(epilogue="separate")),
         "exact_separate_dglu_bf16_h": check_kernels_exact("cpu", seed=9, H=512, h_dtype=torch.bfloat16,
                                                           epilogue=dict(epilogue="separate")),
@@ -808,7 +808,7 @@ def assert_weight_reads(r: dict) -> None:
                                  "exact_values", "exact_values_ptr_e5m2", "exact_values_separate_dglu",
                                  "exact_written_values", "exact_written_values_ptr_e5m2_separate_dglu",
                                  "exact_separate_dglu", "exact_written_values_separate_dglu_chunks",
-                                 "exact_separate_dglu_chunks",
+                                 "exact_separate_dglu_gemm_kernel",
                                  "exact_separate_dglu_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]

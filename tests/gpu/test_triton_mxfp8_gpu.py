@@ -112,13 +112,16 @@ def test_promotion_loop_exact_on_integer_data_gpu():
         assert bad[name] == 0, (name, bad)
 
 
-@pytest.mark.parametrize("tma,fmt,dglu", [(True, "e4m3", "fused"), (False, "e5m2", "fused"), (True, "e4m3", "separate"),
-                                          (False, "e5m2", "separate")],
-                         ids=["tma", "ptr-e5m2", "dglu-separate", "dglu-separate-ptr-e5m2"])
-def test_bf16_values_exact_on_integer_data_gpu(tma, fmt, dglu):
+@pytest.mark.parametrize("tma,fmt,dglu,kernel", [(True, "e4m3", "fused", None), (False, "e5m2", "fused", None),
+                                                 (True, "e4m3", "separate", None), (False, "e5m2", "separate", None),
+                                                 (True, "e4m3", "separate", "gemm")],
+                         ids=["tma", "ptr-e5m2", "dglu-separate", "dglu-separate-ptr-e5m2", "dglu-separate-gemm-kernel"])
+def test_bf16_values_exact_on_integer_data_gpu(tma, fmt, dglu, kernel):
     # every GEMM reading the BF16 values an expansion pass wrote before it (the fused path's default);
-    # the dGLU as one kernel (the default) or as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE)
-    bad = checks.check_kernels_exact("cuda", seed=5, use_tma=tma, fmt=fmt, values=True, epilogue=dict(epilogue=dglu))
+    # the dGLU as one kernel or as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE), that epilogue on its
+    # chunked kernel (the default) or the GEMM kernel (gemm.SEPARATE_DGLU_KERNEL)
+    bad = checks.check_kernels_exact("cuda", seed=5, use_tma=tma, fmt=fmt, values=True, epilogue=dict(epilogue=dglu),
+                                     dglu_kernel=kernel)
     print("MXFP8_EXACT_VALUES", json.dumps(bad))
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)
@@ -136,10 +139,14 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     # the weight cache keeping the weights' BF16 values (autograd.BF16_WEIGHT_VALUES), padded and not
     ("swiglu-zipf-hybrid-bf16w", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     ("gptoss-2880-padded-bf16w", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (), "E4M3"),
-    # the dGLU as its GEMM + the epilogue alone (the default on the GPU; the other cases run it as one kernel)
+    # the dGLU as its GEMM + the epilogue alone (the default on the GPU; the other cases run it as one kernel),
+    # the epilogue on its chunked kernel (the default), at GPT-OSS's padded widths too, or on the GEMM kernel
     ("swiglu-balanced-sepdglu", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
     ("gptoss-empty-hybrid-sepdglu", 4096, 512, 256, 16, "gpt_oss_swiglu", True, True, "empty", 100, True, True, (),
      "HYBRID"),
+    ("gptoss-2880-padded-sepdglu", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (),
+     "E4M3"),
+    ("swiglu-balanced-sepdglu-gemm", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
     # the quantize passes and epilogues writing codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
     ("swiglu-zipf-hybrid-bf16w-codes", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)

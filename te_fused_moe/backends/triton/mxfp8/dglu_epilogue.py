@@ -22,12 +22,14 @@ from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, tile_rows, total_tiles
 from .quantize import TILE, MXSpec, store_mx_chunk
 
-# columns per program and warps (the quantize pass's chunked kernel's launch, run 33)
-COLS, WARPS = 128, 4
-# Triton's unroll factor of the loop over a tile's four chunks: 4 unrolls it (as tl.static_range did), 1
-# keeps one chunk's values live at a time. Offline (sm_90a, 128 columns, 4 warps) both take 255 registers,
-# unrolled with 32 bytes of spills: one or two programs per SM, so few warps hide the loads' latency.
-UNROLL = 4
+# Columns per program, warps, and Triton's unroll factor of the loop over a tile's four chunks (4: unrolled,
+# as tl.static_range; 1: one chunk's values live at a time). Every config builds to 142-255 registers
+# offline (sm_90a): a handful of warps per SM hide the loads' latency, so the config is found by timing.
+# Run 34 on an H100, DSv3 (scripts/probe_mx_dglu.py: the separate dGLU less its GEMM alone, 1.65 ms):
+# 64 columns, 4 warps, not unrolled 0.73 ms; unrolled 0.77; 128 columns, 4 warps 0.77 (not unrolled) and
+# 1.77 (unrolled: run 33's launch, which made the MLP slower); 8 warps 1.03-1.34; the GEMM kernel's
+# epilogue (SEPARATE_DGLU_KERNEL = "gemm") 1.18.
+COLS, WARPS, UNROLL = 64, 4, 1
 
 
 @triton.jit

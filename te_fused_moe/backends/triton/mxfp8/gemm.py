@@ -70,11 +70,11 @@ USE_TMA_DEFAULT = True
 # 1.11x). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM alone leaves nothing for a separate
 # epilogue to win.
 DACT_EPILOGUE = "auto"
-# The separate dGLU epilogue's kernel: "gemm" (this module's kernel with ``ACC_IN``) or "chunks"
-# (``dglu_epilogue``: the tile's rows 32 at a time, as the quantize pass's chunked kernel). Run 33 on an
-# H100, DSv3: the MXFP8 MLP 21.25 ms with "gemm" against 21.82 with "chunks" (backward 14.21 / 14.72), in
-# spite of the chunked kernel's 40% fewer instructions per element in the offline build.
-SEPARATE_DGLU_KERNEL = "gemm"
+# The separate dGLU epilogue's kernel: "chunks" (``dglu_epilogue``: the tile's rows 32 at a time, as the
+# quantize pass's chunked kernel) or "gemm" (this module's kernel with ``ACC_IN``; 8 warps at 255 registers,
+# one program per SM). At DSv3 on an H100, the epilogue alone: 0.73 ms against 1.18 (run 34,
+# ``dglu_epilogue``'s launch); at run 33's chunked launch it was the slower (the MLP 21.82 against 21.25 ms).
+SEPARATE_DGLU_KERNEL = "chunks"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
 # accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
