@@ -729,7 +729,11 @@ def _worker() -> None:
             "cpu", seed=12, T=200, H=128, values=True, written_values=True, dglu_kernel="chunks",
             epilogue=dict(epilogue="separate")),
         "exact_separate_dglu_gemm_kernel": check_kernels_exact("cpu", seed=13, T=200, H=128, dglu_kernel="gemm",
-                                                          epilogue=dict(epilogue="separate")),
+                                                               epilogue=dict(epilogue="separate")),
+        # the chunked epilogue under 128-column dGLU tiles (dprob partials per 128 columns: wider programs)
+        "exact_separate_dglu_chunks_bn128": check_kernels_exact(
+            "cpu", seed=14, T=200, H=128, dglu_kernel="chunks",
+            epilogue=dict(epilogue="separate", block_n=128, split_epilogue=False)),
         "exact_separate_dglu_bf16_h": check_kernels_exact("cpu", seed=9, H=512, h_dtype=torch.bfloat16,
                                                           epilogue=dict(epilogue="separate")),
         "dispatch": check_dispatch("cpu"),
@@ -808,7 +812,7 @@ def assert_weight_reads(r: dict) -> None:
                                  "exact_values", "exact_values_ptr_e5m2", "exact_values_separate_dglu",
                                  "exact_written_values", "exact_written_values_ptr_e5m2_separate_dglu",
                                  "exact_separate_dglu", "exact_written_values_separate_dglu_chunks",
-                                 "exact_separate_dglu_gemm_kernel",
+                                 "exact_separate_dglu_gemm_kernel", "exact_separate_dglu_chunks_bn128",
                                  "exact_separate_dglu_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]

@@ -98,20 +98,22 @@ def launch(da: torch.Tensor, h: torch.Tensor, n: int, schedule: torch.Tensor, nu
            activation: str, alpha: float, limit: float, gated: bool) -> None:
     """The dGLU epilogue on ``da`` [T, n] (the dGLU GEMM's output) and the saved ``h``: ``q``'s present
     copies (codes or values), ``dprob`` partials [n / part, T] and ``dbias`` per-tile sums where given
-    (``gemm.launch``'s arguments of the same names). ``n`` a multiple of :data:`COLS`."""
+    (``gemm.launch``'s arguments of the same names). A program takes :data:`COLS` columns, or ``part``
+    where that is wider (its dprob partial sums cover whole parts); ``n`` a multiple of that."""
     num_rows = da.shape[0]
-    if n % COLS or COLS % part:
-        raise ValueError(f"n: the chunked dGLU epilogue needs a multiple of {COLS} and part dividing it, "
-                         f"got n={n}, part={part}")
+    cols = max(COLS, part)
+    if n % cols or cols % part:
+        raise ValueError(f"n: the chunked dGLU epilogue needs a multiple of {cols} columns per program, each "
+                         f"holding whole {part}-column dprob parts, got n={n}, part={part}")
     rowwise, colwise = quantized_copies(q)
     dummy = da
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
-    dglu_chunks_kernel[(m_tiles, n // COLS)](
+    dglu_chunks_kernel[(m_tiles, n // cols)](
         da, da.stride(0), h, h.stride(0), h_up_offset, probs if probs is not None else dummy,
         *or_dummy(dprob, dummy, 0), *or_dummy(dbias, dummy, 0),
         *copies_arguments(q, dummy, dummy), q_up_offset,
         schedule, n, float(alpha), float(limit), num_experts + 1,
         ACT=ACT_IDS[activation], GATED=gated, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
-        WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, **spec.constexprs(), BM=TILE, BK=COLS,
+        WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, **spec.constexprs(), BM=TILE, BK=cols,
         PART=part, UNROLL=UNROLL, num_warps=4 if interpreting() else WARPS,
     )
