@@ -24,7 +24,8 @@
 # (scripts/probe_mx_dglu.py). ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
 # weight scales' width), then at K = 512 under compute-sanitizer's memcheck where the image has it.
 # ring_bisect: RING_SCALES' plain GEMM in a process per variant (the consumers' shared-memory reads of the scales
-# swapped for constants, one or both; scripts/probe_ring_debug.py): which part dies.
+# swapped for constants, one or both; the scalar's descriptor over another tensor or with a wider box;
+# scripts/probe_ring_debug.py): which part dies.
 # mx_quantize_probe: MXFP8's quantize pass at DSv3's x at a few launch configs, codes and values
 # (scripts/probe_mx_quantize.py).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16

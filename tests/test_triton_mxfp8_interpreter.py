@@ -666,7 +666,8 @@ def sm90_build_report() -> dict:
                                                         qt_ptr=qt, qts_ptr="*u8", sched_ptr="*i32", alpha="fp32",
                                                         limit="fp32"),
                              dict(ACT=ACT_IDS["swiglu"], GATED=True, HAS_PROBS=True, WRITE_DPROB=True, WRITE_DBIAS=True,
-                                  ROWWISE=True, COLWISE=True, **spec, BM=128, BK=D.COLS, PART=cfg.block_n, UNROLL=D.UNROLL),
+                                  ROWWISE=True, COLWISE=True, **spec, BM=128, BK=D.COLS, PART=cfg.block_n,
+                                  UNROLL=D.UNROLL),
                              D.WARPS, 1)
     for values in (False, True):
         wcfg = W.default_config(values)

@@ -115,7 +115,8 @@ def test_promotion_loop_exact_on_integer_data_gpu():
 @pytest.mark.parametrize("tma,fmt,dglu,kernel", [(True, "e4m3", "fused", None), (False, "e5m2", "fused", None),
                                                  (True, "e4m3", "separate", None), (False, "e5m2", "separate", None),
                                                  (True, "e4m3", "separate", "gemm")],
-                         ids=["tma", "ptr-e5m2", "dglu-separate", "dglu-separate-ptr-e5m2", "dglu-separate-gemm-kernel"])
+                         ids=["tma", "ptr-e5m2", "dglu-separate", "dglu-separate-ptr-e5m2",
+                              "dglu-separate-gemm-kernel"])
 def test_bf16_values_exact_on_integer_data_gpu(tma, fmt, dglu, kernel):
     # every GEMM reading the BF16 values an expansion pass wrote before it (the fused path's default);
     # the dGLU as one kernel or as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE), that epilogue on its

@@ -63,9 +63,9 @@ TILE_PREFETCH = True
 # Experimental, off: it dies on the GPU with an illegal instruction, with the weight scalar's TMA box 16
 # bytes wide (run 32) and 128 (``wgmma_gemm.SCALAR_BOX``, run 33). Run 34 (compute-sanitizer and
 # scripts/probe_ring_debug.py): at the scalar's TMA copy below, whatever its tensor or box width, with or
-# without the consumers' reads (benchmarks/NOTES.md, runs 33-34). Before turning it on: tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales
-# (the same bits as the loads), the FP8 block GPU tests with it on, then scripts/probe_plain.py and the
-# bench's fp8_block_fused_ring_scales. Off, the kernels build to the same instructions as before run 32.
+# without the consumers' reads (benchmarks/NOTES.md, runs 33-34). Before turning it on:
+# tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales (the same bits as the loads), the FP8 block GPU
+# tests with it on, then scripts/probe_plain.py and the bench's fp8_block_fused_ring_scales. Off, the kernels build to the same instructions as before run 32.
 RING_SCALES = False
 
 
