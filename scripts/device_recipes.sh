@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -26,6 +26,8 @@
 # ring_bisect: RING_SCALES' plain GEMM in a process per variant (the consumers' shared-memory reads of the scales
 # swapped for constants, one or both; the scalar's descriptor over another tensor or with a wider box;
 # scripts/probe_ring_debug.py): which part dies.
+# mxfp8_exact: the MXFP8 GPU tests that failed in run 34b on the chunked dGLU epilogue's launch check (the
+# integer-exact checks with 128-column dGLU tiles; fixed after the call) and the GEMM kernel's epilogue case.
 # mx_quantize_probe: MXFP8's quantize pass at DSv3's x at a few launch configs, codes and values
 # (scripts/probe_mx_quantize.py).
 # mxfp8_weights_bench: MXFP8 fused and unfused at DSv3, each with and without the weight cache keeping BF16
@@ -119,6 +121,8 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                     -k "ring_scales and 512 and 1-"
                 fi;;
     ring_bisect) step probe_ring_debug "${PROBE_TIMEOUT:-300}" python scripts/probe_ring_debug.py --out "$OUT/probe_ring_debug";;
+    mxfp8_exact) step pytest_mxfp8_exact "${MXFP8_TESTS_TIMEOUT:-200}" python -m pytest -m gpu -q -p no:cacheprovider \
+                   tests/gpu/test_triton_mxfp8_gpu.py -k "every_kernel_exact or bf16_da or promotion_loop or gemm-kernel";;
     mx_quantize_probe) step probe_mx_quantize "${PROBE_TIMEOUT:-120}" python scripts/probe_mx_quantize.py \
                          --out "$OUT/probe_mx_quantize";;
     mxfp8_weights_bench) step recipes_mxfp8_bf16_weights "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
