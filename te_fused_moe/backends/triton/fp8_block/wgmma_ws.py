@@ -65,7 +65,8 @@ TILE_PREFETCH = True
 # scripts/probe_ring_debug.py): at the scalar's TMA copy below, whatever its tensor or box width, with or
 # without the consumers' reads (benchmarks/NOTES.md, runs 33-34). Before turning it on:
 # tests/gpu/test_fp8_block_wgmma_gpu.py -k ring_scales (the same bits as the loads), the FP8 block GPU
-# tests with it on, then scripts/probe_plain.py and the bench's fp8_block_fused_ring_scales. Off, the kernels build to the same instructions as before run 32.
+# tests with it on, then scripts/probe_plain.py and the bench's fp8_block_fused_ring_scales. Off, the
+# kernels build to the same instructions as before run 32.
 RING_SCALES = False
 
 
