@@ -36,7 +36,7 @@ from ..fp8_block.codec import encode_fp8, nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
 from ..schedule import max_m_tiles, tile_rows, total_tiles
-from .codec import decode_fp8, expand_bf16, mx_dequant_scale, mx_scale
+from .codec import decode_fp8, expand_bf16, mx_scale
 
 MX = 32  # elements per scale block
 TILE = 128  # schedule M tile
@@ -152,10 +152,9 @@ def quantize_colwise_block(v, BM: tl.constexpr, BN: tl.constexpr, MANT: tl.const
 
 @triton.jit
 def values_of(codes, scales, MANT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """BF16 values of FP8 ``codes`` [ROWS, COLS] with E8M0 ``scales`` [ROWS, COLS / 32]: what
+    """BF16 values of FP8 ``codes`` [ROWS, COLS] (uint8) with E8M0 ``scales`` [ROWS, COLS / 32]: what
     :func:`expand_values` makes of them, without the FP8 round trip through memory."""
-    x = tl.reshape(decode_fp8(codes, MANT), (ROWS, COLS // 32, 32)) * mx_dequant_scale(scales)[:, :, None]
-    return tl.reshape(x, (ROWS, COLS)).to(tl.bfloat16)
+    return expand_bf16(decode_fp8(codes, MANT), scales, ROWS, COLS, False)
 
 
 @triton.jit
