@@ -386,7 +386,8 @@ def check_values_in_pass(device: str, seed: int = 21) -> dict:
 
     p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, bias=True, probs=True, routing="empty",
                        padding=5, seed=seed)
-    dy = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
+    dy = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed + 1)).to(device=device,
+                                                                                   dtype=torch.bfloat16)
     out, results = {}, {}
     for flag in (False, True):
         with _expansions_counted(QUANTIZE_TO_VALUES=flag) as dims:
