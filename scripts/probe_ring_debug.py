@@ -14,8 +14,15 @@ process per variant (an illegal instruction ends the CUDA context), CUDA_LAUNCH_
   weight scales' tensor is (its numbers are then wrong: only the exit code counts);
 - ``ring_scalar_box128``: the scalar's box 128 scales wide, as the row scales' is.
 
-Run 34 (H100): ``ring`` and the three read variants die at the scalar's TMA copy
-(``wgmma_ws.py``'s ``tma_load(ws_desc, ...)``, compute-sanitizer: illegal instruction).
+Run 34 (H100): ``ring`` and every variant above die at the scalar's TMA copy (compute-sanitizer:
+illegal instruction). The producer's copies (``wgmma_ws._copy_stage_scales`` swapped), run 35:
+
+- ``ring_rows_copy_only`` / ``ring_scalar_copy_only``: the producer copies one of the two scale tiles (the
+  consumers read it, and a constant for the other): which copy dies alone, if either;
+- ``ring_scalar_copy_first``: the scalar's copy issued before the row scales': does the fault follow the
+  copy or its place (the stage's second scale copy);
+- ``ring_rows_copied_twice``: the row scales' very copy (its descriptor, its coordinates) issued a second
+  time into the scalar's buffer (made as wide): dies if a second copy or that buffer is the fault.
 
 At K = 512 (RING_DEBUG_KS: a comma list). A measurement tool, not a test: prints and saves each
 variant's exit code, its last stderr line and whether its output matched ``loads``.
@@ -34,11 +41,16 @@ import sys
 from probe_results import write_and_print
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from te_fused_moe.backends.triton.fp8_block import wgmma_gemm as W
+from te_fused_moe.backends.triton.fp8_block import gluon_names as G, wgmma_gemm as W
 
 VARIANTS = ["loads", "ring", "ring_no_smem_reads", "ring_rows_only", "ring_scalar_only", "ring_scalar_box_on_rows",
-            "ring_scalar_box128"]
+            "ring_scalar_box128", "ring_rows_copy_only", "ring_scalar_copy_only", "ring_scalar_copy_first",
+            "ring_rows_copied_twice"]
+COPY_VARIANTS = VARIANTS[7:]
+# the variants the parent runs (RING_DEBUG_VARIANTS: a comma list; run 35: the controls and the copies)
+RUN = os.environ.get("RING_DEBUG_VARIANTS", ",".join(["loads", "ring"] + COPY_VARIANTS)).split(",")
 KS = [int(k) for k in os.environ.get("RING_DEBUG_KS", "512").split(",")]  # K values the parent runs
 COUNTS = [0, 0, 0, 130, 1, 0, 0, 0, 0, 128, 300, 0, 1, 257, 0, 0]
 
@@ -68,6 +80,61 @@ def _some_ring_scales(ring, j, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND
     else:
         scalar = gl.full([1, 1], 1.0, gl.float32, mma)
     return rows, scalar
+
+
+@gluon.jit
+def _copy_rows_only(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    cs_desc, bar = ring[5], ring[4].index(stage)
+    fence_async_shared()
+    mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
+    G.tma_load(cs_desc, [blk, a_row], bar, ring[6].index(stage))
+
+
+@gluon.jit
+def _copy_scalar_only(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    ws_desc, bar = ring[8], ring[4].index(stage)
+    fence_async_shared()
+    mbarrier.expect(bar, nbytes + ws_desc.block_type.nbytes)
+    G.tma_load(ws_desc, [b_block_row, blk], bar, ring[9].index(stage))
+
+
+@gluon.jit
+def _copy_scalar_first(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    cs_desc, ws_desc, bar = ring[5], ring[8], ring[4].index(stage)
+    fence_async_shared()
+    mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes + ws_desc.block_type.nbytes)
+    G.tma_load(ws_desc, [b_block_row, blk], bar, ring[9].index(stage))
+    G.tma_load(cs_desc, [blk, a_row], bar, ring[6].index(stage))
+
+
+@gluon.jit
+def _copy_rows_twice(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    cs_desc, bar = ring[5], ring[4].index(stage)
+    fence_async_shared()
+    mbarrier.expect(bar, nbytes + 2 * cs_desc.block_type.nbytes)
+    G.tma_load(cs_desc, [blk, a_row], bar, ring[6].index(stage))
+    G.tma_load(cs_desc, [blk, a_row], bar, ring[9].index(stage))
+
+
+def _swap_copies(variant: str) -> None:
+    """Replaces ``wgmma_ws._copy_stage_scales`` (and the consumers' reads to match) for the copy variants."""
+    from te_fused_moe.backends.triton.fp8_block import wgmma_ws
+
+    global READ_ROWS, READ_SCALAR
+    READ_ROWS = gl.constexpr(variant != "ring_scalar_copy_only")
+    READ_SCALAR = gl.constexpr(variant in ("ring_scalar_copy_only", "ring_scalar_copy_first"))
+    W._ring_scales = _some_ring_scales
+    wgmma_ws._copy_stage_scales = {"ring_rows_copy_only": _copy_rows_only, "ring_scalar_copy_only": _copy_scalar_only,
+                                   "ring_scalar_copy_first": _copy_scalar_first,
+                                   "ring_rows_copied_twice": _copy_rows_twice}[variant]
+    if variant == "ring_rows_copied_twice":  # the scalar's "descriptor" is the row scales': its buffer as wide
+        shipped = W.ring_scale_descriptors
+
+        def descriptors(a_scale, b_scale, b_rows):
+            descs = shipped(a_scale, b_scale, b_rows)
+            return None if descs is None else (descs[0], descs[0])
+
+        W.ring_scale_descriptors = descriptors
 
 
 def _swap_ring_reads(variant: str) -> None:
@@ -102,7 +169,9 @@ def one_case(variant: str, k: int) -> None:
     from te_fused_moe.backends.triton.schedule import build_schedule
 
     wgmma_ws.RING_SCALES = variant != "loads"
-    if variant.startswith("ring_scalar_box"):
+    if variant in COPY_VARIANTS:
+        _swap_copies(variant)
+    elif variant.startswith("ring_scalar_box"):
         _swap_scalar_descriptor(variant)
     elif variant not in ("loads", "ring"):
         _swap_ring_reads(variant)
@@ -129,7 +198,7 @@ def run_all() -> dict:
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
     out = {}
     for k in KS:
-        for variant in VARIANTS:
+        for variant in RUN:
             p = subprocess.run([sys.executable, __file__, "--variant", variant, "--k", str(k)], env=env,
                                capture_output=True, text=True, timeout=300)
             lines = [l for l in (p.stderr + p.stdout).splitlines() if l.strip()]

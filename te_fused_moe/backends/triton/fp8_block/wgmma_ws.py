@@ -114,15 +114,25 @@ def _producer(ring, src, KIND: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl
                 mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
                 G.tma_load(cs_desc, [blk, b_row], bar, cs_bufs.index(stage))
             elif RING_SCALES:
-                fence_async_shared()  # as above, for the row scales and the block scalar
-                mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes + ws_desc.block_type.nbytes)
-                G.tma_load(cs_desc, [blk, a_row], bar, cs_bufs.index(stage))
-                G.tma_load(ws_desc, [b_row // BLOCK_B, blk], bar, ws_bufs.index(stage))
+                _copy_stage_scales(ring, stage, blk, a_row, b_row // BLOCK_B, nbytes)
             else:
                 mbarrier.expect(bar, nbytes)
             G.tma_load(a_desc, [a_row, blk * BLOCK_K], bar, a_bufs.index(stage))
             G.tma_load(b_desc, [b_row, blk * BLOCK_K], bar, b_bufs.index(stage))
             loaded += 1
+
+
+@gluon.jit
+def _copy_stage_scales(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    """``RING_SCALES``: expects the stage's ``nbytes`` of A and B tiles plus its scales on its ``ready``
+    barrier and TMA-copies the scales: A's row scales of K block ``blk`` from ``a_row`` on, and B's block
+    scalar (row ``b_block_row`` of the weight's 128x128 blocks). A function of its own so that
+    scripts/probe_ring_debug.py can swap it (which copy dies)."""
+    cs_desc, cs_bufs, ws_desc, ws_bufs, bar = ring[5], ring[6], ring[8], ring[9], ring[4].index(stage)
+    fence_async_shared()  # as for OUTER's column scales, for the row scales and the block scalar
+    mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes + ws_desc.block_type.nbytes)
+    G.tma_load(cs_desc, [blk, a_row], bar, cs_bufs.index(stage))
+    G.tma_load(ws_desc, [b_block_row, blk], bar, ws_bufs.index(stage))
 
 
 @gluon.jit
