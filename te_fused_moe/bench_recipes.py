@@ -320,7 +320,13 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       # the separate dGLU epilogue on the GEMM kernel (gemm.SEPARATE_DGLU_KERNEL; the
                       # default before run 34) instead of its chunked kernel
                       "mxfp8_fused_gemm_dglu_epilogue": _fused_under(
-                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="gemm"))},
+                          "mxfp8", gemm=dict(SEPARATE_DGLU_KERNEL="gemm")),
+                      # the plain GEMMs on BF16 values on this recipe's kernel instead of the BF16 backend's
+                      # persistent one (gemm.PLAIN_VALUES_KERNEL; the default before run 35), fused and
+                      # unfused alike: both paths run those GEMMs
+                      "mxfp8_fused_mx_plain_kernel": _fused_under("mxfp8", gemm=dict(PLAIN_VALUES_KERNEL="mx")),
+                      "mxfp8_unfused_mx_plain_kernel": _fused_under("mxfp8", _unfused,
+                                                                    gemm=dict(PLAIN_VALUES_KERNEL="mx"))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

@@ -80,6 +80,12 @@ MLP_CASES = [
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
     # ... on the GEMM kernel's epilogue (gemm.SEPARATE_DGLU_KERNEL = "gemm"; the default is the chunked kernel)
     ("swiglu-empty-pad-sepdglu-gemm", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    # the plain GEMMs on BF16 values on this recipe's kernel (gemm.PLAIN_VALUES_KERNEL = "mx"; the other cases
+    # run them on the BF16 backend's persistent kernel), TMA and pointer loads, the separate dGLU's GEMM too
+    ("swiglu-empty-pad-sepdglu-mxplain", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    ("gptoss-ptr-hybrid-mxplain", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
+     "HYBRID"),
+    ("padded-swiglu-mxplain", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
@@ -582,13 +588,15 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     gemm.SEPARATE_DGLU_KERNEL = "gemm" if case_id.endswith("-sepdglu-gemm") else dglu_kernel
     values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
     written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, "-codes" not in case_id
+    plain = gemm.PLAIN_VALUES_KERNEL
+    gemm.PLAIN_VALUES_KERNEL = "bf16" if "-bf16plain" in case_id else "mx" if "-mxplain" in case_id else plain
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
         autograd.QUANTIZE_TO_VALUES = written
-        gemm.SEPARATE_DGLU_KERNEL = dglu_kernel
+        gemm.SEPARATE_DGLU_KERNEL, gemm.PLAIN_VALUES_KERNEL = dglu_kernel, plain
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
 

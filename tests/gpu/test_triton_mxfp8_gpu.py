@@ -148,6 +148,10 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     ("gptoss-2880-padded-sepdglu", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (),
      "E4M3"),
     ("swiglu-balanced-sepdglu-gemm", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
+    # the plain GEMMs on BF16 values on this recipe's kernel (gemm.PLAIN_VALUES_KERNEL = "mx"; the other cases
+    # run them on the BF16 backend's persistent kernel)
+    ("swiglu-balanced-sepdglu-mxplain", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (),
+     "E4M3"),
     # the quantize passes and epilogues writing codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
     ("swiglu-zipf-hybrid-bf16w-codes", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)

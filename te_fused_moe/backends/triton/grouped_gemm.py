@@ -381,46 +381,36 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch(
-    kind: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    b_strides: tuple,
-    n: int,
-    k: int,
-    c: torch.Tensor,
-    tokens_per_expert: torch.Tensor,
-    *,
-    b_up_rows: int = 0,
-    c_up_offset: int = 0,
-    h: Optional[torch.Tensor] = None,
-    h_up_offset: int = 0,
-    bias: Optional[torch.Tensor] = None,
-    bias_up_offset: int = 0,
-    probs: Optional[torch.Tensor] = None,
-    dprob: Optional[torch.Tensor] = None,
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    gated: bool = False,
-    config: Optional[GemmConfig] = None,
-    schedules: Optional[dict] = None,
-):
+def launch(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tuple, n: int, k: int, c: torch.Tensor,
+           tokens_per_expert: torch.Tensor, *, config: Optional[GemmConfig] = None, schedules: Optional[dict] = None,
+           **epilogue):
     """Run one grouped GEMM: rows of ``a`` [T, k] grouped by ``tokens_per_expert``, ``B_e`` [k, n]
-    read from ``b`` at ``e * b_strides[0] + k * b_strides[1] + n * b_strides[2]``.
+    read from ``b`` at ``e * b_strides[0] + k * b_strides[1] + n * b_strides[2]``; ``epilogue``: the
+    keywords of :func:`launch_scheduled` (bias, activation, h, probs, dprob, ...).
 
     ``dprob`` is either ``[T]`` FP32 zeros (atomic row reduction) or ``[cdiv(n, BN), T]`` FP32 (one
     partial per N tile, summed later in a fixed order: the deterministic path). ``schedules`` is an
     optional dict ``block_m -> schedule`` shared by the launches of one call."""
-    mode = {"fc1": MODE_ACT_FWD, "fc2": MODE_PLAIN, "dact": MODE_ACT_BWD, "dgrad": MODE_PLAIN}[kind]
     cfg = config or default_config(kind, n, k)
-    num_rows = a.shape[0]
-    num_experts = tokens_per_expert.shape[0]
     if schedules is None:
         schedules = {}
     if cfg.block_m not in schedules:
-        schedules[cfg.block_m] = build_schedule(tokens_per_expert, num_rows, cfg.block_m)
-    schedule = schedules[cfg.block_m]
+        schedules[cfg.block_m] = build_schedule(tokens_per_expert, a.shape[0], cfg.block_m)
+    return launch_scheduled(kind, a, b, b_strides, n, k, c, schedules[cfg.block_m], tokens_per_expert.shape[0],
+                            cfg, **epilogue)
+
+
+def launch_scheduled(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tuple, n: int, k: int, c: torch.Tensor,
+                     schedule: torch.Tensor, num_experts: int, cfg: GemmConfig, *, b_up_rows: int = 0,
+                     c_up_offset: int = 0, h: Optional[torch.Tensor] = None, h_up_offset: int = 0,
+                     bias: Optional[torch.Tensor] = None, bias_up_offset: int = 0,
+                     probs: Optional[torch.Tensor] = None, dprob: Optional[torch.Tensor] = None,
+                     activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, gated: bool = False):
+    """:func:`launch` on a ``schedule`` already built for ``cfg.block_m``-row tiles of ``num_experts``
+    experts (``schedule.build_schedule``): what a caller holding the schedule, not the counts, runs
+    (the block-scaled recipes' plain GEMMs on BF16 values)."""
+    mode = {"fc1": MODE_ACT_FWD, "fc2": MODE_PLAIN, "dact": MODE_ACT_BWD, "dgrad": MODE_PLAIN}[kind]
+    num_rows = a.shape[0]
     num_groups = num_experts + 1
     m_tiles = max_m_tiles(num_rows, num_experts, cfg.block_m)
     num_tiles = m_tiles * triton.cdiv(n, cfg.block_n)  # worst case: the schedule holds the real count

@@ -75,6 +75,14 @@ DACT_EPILOGUE = "auto"
 # one program per SM). At DSv3 on an H100, the epilogue alone: 0.73 ms against 1.18 (run 34,
 # ``dglu_epilogue``'s launch); at run 33's chunked launch it was the slower (the MLP 21.82 against 21.25 ms).
 SEPARATE_DGLU_KERNEL = "chunks"
+# The kernel of a plain GEMM whose operands are both BF16 values (the values path's FC2 forward, FC1
+# dgrad and separate dGLU GEMM, in the fused and the unfused path alike): "bf16" = the BF16 backend's
+# persistent grouped GEMM (``grouped_gemm.launch_scheduled``, 128 x 256 x 64 tiles, 3 stages); "mx" =
+# this module's kernel (one program per tile, BK = 128). The same exact products summed in another
+# order. At DSv3 on an H200 (run 35a, scripts/probe_mx_plain.py), ms mx -> bf16 (cuBLAS grouped_mm):
+# FC2 1.674 -> 1.393 (1.430), FC1 dgrad 3.220 -> 2.794 (3.038), dGLU GEMM 1.649 -> 1.397 (1.498); the
+# outputs bitwise equal on random data. The MXFP8 MLP: fused 18.57 -> 17.60 ms, unfused 22.79 -> 21.09.
+PLAIN_VALUES_KERNEL = "bf16"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
 # accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
@@ -358,6 +366,8 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     ``dprob``: FP32 ``[n / block_n, T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
     mode = GEMM_MODES[kind]
     a_bf16, b_bf16 = a.dtype == torch.bfloat16, b.dtype == torch.bfloat16
+    if mode == MODE_PLAIN and a_bf16 and b_bf16 and config is None and PLAIN_VALUES_KERNEL == "bf16":
+        return _plain_on_bf16_kernel(a, b, n, schedule, num_experts, c, bias)
     cfg = config or default_config(kind, a_bf16 and b_bf16)
     if (a_bf16 or b_bf16) and not cfg.expand_bf16:
         raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
@@ -401,6 +411,22 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         EXPAND=cfg.expand_bf16, A_BF16=a_bf16, B_BF16=b_bf16, BM=TILE, BN=cfg.block_n, BK=block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=1 if acc_in else cfg.num_stages,
     )
+
+
+def _plain_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torch.Tensor,
+                          num_experts: int, c: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``c = A_e @ B_e^T (+ bias_e)`` on BF16 values by the BF16 backend's grouped GEMM at its FC2 config
+    (the fastest of those run 35a timed at all three GEMMs), on this recipe's schedule (128-row tiles;
+    the interpreter's small config is given that height)."""
+    from .. import grouped_gemm
+
+    k = a.shape[1]
+    cfg = grouped_gemm.default_config("fc2", n, k)
+    # this recipe's tile height, and its TMA switch (the tests' pointer-load cases)
+    cfg = replace(cfg, block_m=TILE, use_tma=USE_TMA_DEFAULT)
+    grouped_gemm.launch_scheduled("fc2", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, c, schedule,
+                                  num_experts, cfg, bias=bias)
+    return c
 
 
 def fc1_covering(cfg: MXGemmConfig, n: int, bf16_operands: bool) -> MXGemmConfig:
