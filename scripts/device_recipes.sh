@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -21,7 +21,9 @@
 # tests, then the MLP at DSv3 with and without it and with the chunked dGLU epilogue, each with and without the
 # weight cache's BF16 values, against both unfused paths (interleaved rounds, no kernel table).
 # mx_plain_probe: MXFP8's plain GEMMs on BF16 values at DSv3, on its kernel and on the BF16 path's persistent one,
-# against cuBLAS (scripts/probe_mx_plain.py).
+# against cuBLAS (scripts/probe_mx_plain.py). mx_plain_bench: the MXFP8 MLP at DSv3 with those GEMMs on either
+# kernel (gemm.PLAIN_VALUES_KERNEL: "bf16", the default since run 35, and "mx"), fused and unfused, interleaved
+# rounds, no kernel table.
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config
 # (scripts/probe_mx_dglu.py). ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
 # weight scales' width), then at K = 512 under compute-sanitizer's memcheck where the image has it.
@@ -115,6 +117,10 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                     mxfp8_fused,mxfp8_unfused,mxfp8_fused_codes,mxfp8_fused_gemm_dglu_epilogue,mxfp8_fused_bf16_weights,mxfp8_unfused_bf16_weights,mxfp8_fused_bf16_weights_codes \
                     --out "$OUT/recipes_mxfp8_values";;
     mx_plain_probe) step probe_mx_plain "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_plain.py --out "$OUT/probe_mx_plain";;
+    mx_plain_bench) step recipes_mxfp8_plain "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
+                      --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
+                      mxfp8_fused,mxfp8_unfused,mxfp8_fused_mx_plain_kernel,mxfp8_unfused_mx_plain_kernel \
+                      --out "$OUT/recipes_mxfp8_plain";;
     mx_dglu_probe) step probe_mx_dglu "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_dglu.py --out "$OUT/probe_mx_dglu";;
     ring_debug) step pytest_ring_k4096 "${WGMMA_TESTS_TIMEOUT:-150}" python -m pytest -m gpu -q -p no:cacheprovider \
                   tests/gpu/test_fp8_block_wgmma_gpu.py -k "ring_scales and 4096"

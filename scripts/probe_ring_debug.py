@@ -24,6 +24,15 @@ illegal instruction). The producer's copies (``wgmma_ws._copy_stage_scales`` swa
 - ``ring_rows_copied_twice``: the row scales' very copy (its descriptor, its coordinates) issued a second
   time into the scalar's buffer (made as wide): dies if a second copy or that buffer is the fault.
 
+Run 35a (H200): all four die, the row scales' copy alone too: no scale copy works in this kernel, though
+the wgrad's producer copies its FP32 column scales the same way. So, without any scale copy (the
+consumers reading constants):
+
+- ``ring_no_copies``: RING_SCALES on, the producer expecting only A's and B's bytes: dies if the fault
+  is not a TMA copy at all (the ring's extra buffers, the consumers' RING_SCALES path);
+- ``ring_fence_only``: as ``ring_no_copies`` plus the proxy fence before the stage's refill;
+- ``ring_rows_copy_no_fence``: the row scales' copy alone, without that fence.
+
 At K = 512 (RING_DEBUG_KS: a comma list). A measurement tool, not a test: prints and saves each
 variant's exit code, its last stderr line and whether its output matched ``loads``.
 
@@ -47,10 +56,10 @@ from te_fused_moe.backends.triton.fp8_block import gluon_names as G, wgmma_gemm 
 
 VARIANTS = ["loads", "ring", "ring_no_smem_reads", "ring_rows_only", "ring_scalar_only", "ring_scalar_box_on_rows",
             "ring_scalar_box128", "ring_rows_copy_only", "ring_scalar_copy_only", "ring_scalar_copy_first",
-            "ring_rows_copied_twice"]
+            "ring_rows_copied_twice", "ring_no_copies", "ring_fence_only", "ring_rows_copy_no_fence"]
 COPY_VARIANTS = VARIANTS[7:]
-# the variants the parent runs (RING_DEBUG_VARIANTS: a comma list; run 35: the controls and the copies)
-RUN = os.environ.get("RING_DEBUG_VARIANTS", ",".join(["loads", "ring"] + COPY_VARIANTS)).split(",")
+# the variants the parent runs (RING_DEBUG_VARIANTS: a comma list; run 35b: the controls and the last three)
+RUN = os.environ.get("RING_DEBUG_VARIANTS", ",".join(["loads", "ring"] + VARIANTS[11:])).split(",")
 KS = [int(k) for k in os.environ.get("RING_DEBUG_KS", "512").split(",")]  # K values the parent runs
 COUNTS = [0, 0, 0, 130, 1, 0, 0, 0, 0, 128, 300, 0, 1, 257, 0, 0]
 
@@ -116,17 +125,38 @@ def _copy_rows_twice(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr)
     G.tma_load(cs_desc, [blk, a_row], bar, ring[9].index(stage))
 
 
+@gluon.jit
+def _copy_nothing(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    mbarrier.expect(ring[4].index(stage), nbytes)
+
+
+@gluon.jit
+def _fence_only(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    fence_async_shared()
+    mbarrier.expect(ring[4].index(stage), nbytes)
+
+
+@gluon.jit
+def _copy_rows_no_fence(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    cs_desc, bar = ring[5], ring[4].index(stage)
+    mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
+    G.tma_load(cs_desc, [blk, a_row], bar, ring[6].index(stage))
+
+
 def _swap_copies(variant: str) -> None:
     """Replaces ``wgmma_ws._copy_stage_scales`` (and the consumers' reads to match) for the copy variants."""
     from te_fused_moe.backends.triton.fp8_block import wgmma_ws
 
     global READ_ROWS, READ_SCALAR
-    READ_ROWS = gl.constexpr(variant != "ring_scalar_copy_only")
+    READ_ROWS = gl.constexpr(variant in ("ring_rows_copy_only", "ring_scalar_copy_first", "ring_rows_copied_twice",
+                                         "ring_rows_copy_no_fence"))
     READ_SCALAR = gl.constexpr(variant in ("ring_scalar_copy_only", "ring_scalar_copy_first"))
     W._ring_scales = _some_ring_scales
     wgmma_ws._copy_stage_scales = {"ring_rows_copy_only": _copy_rows_only, "ring_scalar_copy_only": _copy_scalar_only,
                                    "ring_scalar_copy_first": _copy_scalar_first,
-                                   "ring_rows_copied_twice": _copy_rows_twice}[variant]
+                                   "ring_rows_copied_twice": _copy_rows_twice, "ring_no_copies": _copy_nothing,
+                                   "ring_fence_only": _fence_only,
+                                   "ring_rows_copy_no_fence": _copy_rows_no_fence}[variant]
     if variant == "ring_rows_copied_twice":  # the scalar's "descriptor" is the row scales': its buffer as wide
         shipped = W.ring_scale_descriptors
 
