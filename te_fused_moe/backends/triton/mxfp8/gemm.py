@@ -424,6 +424,10 @@ def _plain_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: to
     cfg = grouped_gemm.default_config("fc2", n, k)
     # this recipe's tile height, and its TMA switch (the tests' pointer-load cases)
     cfg = replace(cfg, block_m=TILE, use_tma=USE_TMA_DEFAULT)
+    if interpreting():
+        # the interpreter sums each K step's dot as one matmul: at this module's K step the sums run in
+        # the order of its kernel, as both kernels' wgmma chains do on the GPU (run 35a: bitwise equal)
+        cfg = replace(cfg, block_k=EXPAND_BLOCK_K)
     grouped_gemm.launch_scheduled("fc2", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, c, schedule,
                                   num_experts, cfg, bias=bias)
     return c
