@@ -1,0 +1,110 @@
+"""MXFP8's plain GEMMs whose operands are both BF16 values (``mxfp8.gemm.PLAIN_VALUES_KERNEL``), on CPU
+through Triton's interpreter, in a fresh process (``moe_reference.run_in_triton_interpreter``).
+
+On random data and a routing with an empty expert and padding rows, B's rows padded past the output's
+width (as padded.py's weights are) and a bias, into a NaN-poisoned output:
+
+- ``"bf16"`` (the default) runs the BF16 backend's persistent grouped GEMM
+  (``grouped_gemm.launch_scheduled``), ``"mx"`` MXFP8's own kernel; an FP8 operand always takes MXFP8's
+  kernel (the routing counts the calls);
+- both match the FP64 product within BF16 output rounding (2^-8 of each element plus 2^-12 of the sum of
+  |products|), write every element (no NaN left), zeros on the padding rows;
+- both are bitwise equal: under the interpreter the routed GEMM takes MXFP8's K step, so its FP32 sums run
+  in that kernel's order, as the two kernels' wgmma steps do on the GPU (run 35a, DSv3: bitwise equal).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from moe_reference import run_in_triton_interpreter
+
+pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
+
+COUNTS = [70, 0, 131, 40]  # an empty expert; tiles end inside experts
+PADDING, K, N, B_ROWS = 9, 256, 160, 256
+
+
+def _worker():
+    import json
+
+    import torch
+
+    from te_fused_moe.backends.triton import grouped_gemm
+    from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    calls = []
+    launch_scheduled = grouped_gemm.launch_scheduled
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return launch_scheduled(*args, **kwargs)
+
+    grouped_gemm.launch_scheduled = counted
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh data every run
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    routed, experts = sum(COUNTS), len(COUNTS)
+    rows = routed + PADDING
+    a = torch.randn(rows, K, generator=g).bfloat16()
+    b = (torch.randn(experts, B_ROWS, K, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(experts, N, generator=g).bfloat16()
+    sched = build_schedule(counts, rows, Q.TILE)
+    no_scale_a, no_scale_b = torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1, 1, dtype=torch.uint8)
+
+    ref = torch.zeros(rows, N, dtype=torch.float64)
+    bound = torch.zeros(rows, N, dtype=torch.float64)
+    start = 0
+    for e, n_e in enumerate(COUNTS):
+        a_e, b_e = a[start:start + n_e].double(), b[e, :N].double()
+        ref[start:start + n_e] = a_e @ b_e.T + bias[e].double()
+        bound[start:start + n_e] = 2.0 ** -8 * ref[start:start + n_e].abs() + 2.0 ** -12 * (a_e.abs() @ b_e.abs().T)
+        start += n_e
+
+    out, report = {}, {}
+    shipped = gemm.PLAIN_VALUES_KERNEL
+    try:
+        for kernel in ("bf16", "mx"):
+            gemm.PLAIN_VALUES_KERNEL = kernel
+            before = len(calls)
+            c = torch.full((rows, N), float("nan"), dtype=torch.bfloat16)
+            gemm.launch("fc2", a, no_scale_a, b, no_scale_b, N, sched, experts, Q.MXSpec(), c=c, bias=bias)
+            out[kernel] = c
+            report[kernel] = {"routed_calls": len(calls) - before, "unwritten": int(c.isnan().sum()),
+                              "over_bound": int(((c.double() - ref).abs() > bound).sum()),
+                              "padding_nonzero": int((c[routed:] != 0).sum())}
+        # an FP8 operand (codes with unit E8M0 scales): MXFP8's kernel, whatever the switch says
+        gemm.PLAIN_VALUES_KERNEL = "bf16"
+        before = len(calls)
+        codes = a.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+        gemm.launch("fc2", codes, torch.full((rows, K // 32), 127, dtype=torch.uint8), b, no_scale_b, N, sched,
+                    experts, Q.MXSpec(), c=torch.empty(rows, N, dtype=torch.bfloat16), bias=bias)
+        report["fp8_operand_routed_calls"] = len(calls) - before
+    finally:
+        gemm.PLAIN_VALUES_KERNEL = shipped
+    report["shipped"] = shipped
+    report["bitwise_equal"] = bool(torch.equal(out["bf16"], out["mx"]))
+    print("RESULTS" + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_in_triton_interpreter("import test_mxfp8_plain_kernel as t; t._worker()")
+
+
+def test_bf16_values_route_to_the_persistent_kernel_by_default(results):
+    assert results["shipped"] == "bf16", results
+    assert results["bf16"]["routed_calls"] == 1 and results["mx"]["routed_calls"] == 0, results
+    assert results["fp8_operand_routed_calls"] == 0, results
+
+
+@pytest.mark.parametrize("kernel", ["bf16", "mx"])
+def test_both_kernels_match_fp64_and_write_every_element(results, kernel):
+    r = results[kernel]
+    assert r["unwritten"] == 0 and r["over_bound"] == 0 and r["padding_nonzero"] == 0, r
+
+
+def test_both_kernels_sum_in_the_same_order(results):
+    assert results["bitwise_equal"], results
