@@ -82,6 +82,7 @@ SEPARATE_DGLU_KERNEL = "chunks"
 # order. At DSv3 on an H200 (run 35a, scripts/probe_mx_plain.py), ms mx -> bf16 (cuBLAS grouped_mm):
 # FC2 1.674 -> 1.393 (1.430), FC1 dgrad 3.220 -> 2.794 (3.038), dGLU GEMM 1.649 -> 1.397 (1.498); the
 # outputs bitwise equal on random data. The MXFP8 MLP: fused 18.57 -> 17.60 ms, unfused 22.79 -> 21.09.
+# A launch given an explicit ``config`` runs this module's kernel with it.
 PLAIN_VALUES_KERNEL = "bf16"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
@@ -366,15 +367,15 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     ``dprob``: FP32 ``[n / block_n, T]`` partials; ``dbias``: FP32 ``[max_m_tiles, width]``."""
     mode = GEMM_MODES[kind]
     a_bf16, b_bf16 = a.dtype == torch.bfloat16, b.dtype == torch.bfloat16
+    num_rows, k = a.shape
+    tiled_n = tiled_width(mode, n, b.shape[1], TILE)
+    if k % MX or tiled_n % TILE:
+        raise ValueError(f"MXFP8 GEMM: K={k} must be a multiple of {MX} and N={n} of {TILE}")
     if mode == MODE_PLAIN and a_bf16 and b_bf16 and config is None and PLAIN_VALUES_KERNEL == "bf16":
         return _plain_on_bf16_kernel(a, b, n, schedule, num_experts, c, bias)
     cfg = config or default_config(kind, a_bf16 and b_bf16)
     if (a_bf16 or b_bf16) and not cfg.expand_bf16:
         raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
-    num_rows, k = a.shape
-    tiled_n = tiled_width(mode, n, b.shape[1], TILE)
-    if k % MX or tiled_n % TILE:
-        raise ValueError(f"MXFP8 GEMM: K={k} must be a multiple of {MX} and N={n} of {TILE}")
     if mode != MODE_PLAIN and cfg.block_n not in (64, 128):
         raise ValueError(f"config: the quantizing epilogues need block_n 64 or 128 (whole 1x32 blocks), got {cfg.block_n}")
     if tiled_n % cfg.block_n:
