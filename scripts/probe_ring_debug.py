@@ -91,20 +91,22 @@ def _some_ring_scales(ring, j, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND
     return rows, scalar
 
 
-@gluon.jit
-def _copy_rows_only(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
-    cs_desc, bar = ring[5], ring[4].index(stage)
-    fence_async_shared()
-    mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
-    G.tma_load(cs_desc, [blk, a_row], bar, ring[6].index(stage))
+# which scale tile _copy_one copies, and whether it fences first (set before the first compile)
+COPY_SCALAR = gl.constexpr(False)
+FENCE = gl.constexpr(True)
 
 
 @gluon.jit
-def _copy_scalar_only(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
-    ws_desc, bar = ring[8], ring[4].index(stage)
-    fence_async_shared()
-    mbarrier.expect(bar, nbytes + ws_desc.block_type.nbytes)
-    G.tma_load(ws_desc, [b_block_row, blk], bar, ring[9].index(stage))
+def _copy_one(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    bar = ring[4].index(stage)
+    if FENCE:
+        fence_async_shared()
+    if COPY_SCALAR:
+        mbarrier.expect(bar, nbytes + ring[8].block_type.nbytes)
+        G.tma_load(ring[8], [b_block_row, blk], bar, ring[9].index(stage))
+    else:
+        mbarrier.expect(bar, nbytes + ring[5].block_type.nbytes)
+        G.tma_load(ring[5], [blk, a_row], bar, ring[6].index(stage))
 
 
 @gluon.jit
@@ -136,27 +138,21 @@ def _fence_only(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
     mbarrier.expect(ring[4].index(stage), nbytes)
 
 
-@gluon.jit
-def _copy_rows_no_fence(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
-    cs_desc, bar = ring[5], ring[4].index(stage)
-    mbarrier.expect(bar, nbytes + cs_desc.block_type.nbytes)
-    G.tma_load(cs_desc, [blk, a_row], bar, ring[6].index(stage))
-
-
 def _swap_copies(variant: str) -> None:
     """Replaces ``wgmma_ws._copy_stage_scales`` (and the consumers' reads to match) for the copy variants."""
     from te_fused_moe.backends.triton.fp8_block import wgmma_ws
 
-    global READ_ROWS, READ_SCALAR
+    global READ_ROWS, READ_SCALAR, COPY_SCALAR, FENCE
+    COPY_SCALAR = gl.constexpr(variant == "ring_scalar_copy_only")
+    FENCE = gl.constexpr(variant != "ring_rows_copy_no_fence")
     READ_ROWS = gl.constexpr(variant in ("ring_rows_copy_only", "ring_scalar_copy_first", "ring_rows_copied_twice",
                                          "ring_rows_copy_no_fence"))
     READ_SCALAR = gl.constexpr(variant in ("ring_scalar_copy_only", "ring_scalar_copy_first"))
     W._ring_scales = _some_ring_scales
-    wgmma_ws._copy_stage_scales = {"ring_rows_copy_only": _copy_rows_only, "ring_scalar_copy_only": _copy_scalar_only,
+    wgmma_ws._copy_stage_scales = {"ring_rows_copy_only": _copy_one, "ring_scalar_copy_only": _copy_one,
                                    "ring_scalar_copy_first": _copy_scalar_first,
                                    "ring_rows_copied_twice": _copy_rows_twice, "ring_no_copies": _copy_nothing,
-                                   "ring_fence_only": _fence_only,
-                                   "ring_rows_copy_no_fence": _copy_rows_no_fence}[variant]
+                                   "ring_fence_only": _fence_only, "ring_rows_copy_no_fence": _copy_one}[variant]
     if variant == "ring_rows_copied_twice":  # the scalar's "descriptor" is the row scales': its buffer as wide
         shipped = W.ring_scale_descriptors
 
@@ -169,7 +165,9 @@ def _swap_copies(variant: str) -> None:
 
 def _swap_ring_reads(variant: str) -> None:
     """Replaces ``wgmma_gemm._ring_scales`` for the variants that drop one or both shared-memory reads."""
-    global READ_ROWS, READ_SCALAR
+    global READ_ROWS, READ_SCALAR, COPY_SCALAR, FENCE
+    COPY_SCALAR = gl.constexpr(variant == "ring_scalar_copy_only")
+    FENCE = gl.constexpr(variant != "ring_rows_copy_no_fence")
     READ_ROWS = gl.constexpr(variant == "ring_rows_only")
     READ_SCALAR = gl.constexpr(variant == "ring_scalar_only")
     W._ring_scales = _constant_ring_scales if variant == "ring_no_smem_reads" else _some_ring_scales
