@@ -34,16 +34,16 @@ def _signature(fn, types: dict, consts: dict):
     return sig, attrs
 
 
-def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4) -> dict:
+def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4, maxnreg=None) -> dict:
     """Compiles jit function ``fn`` for sm_90a (arguments not in ``types`` are i32, ``consts`` are
-    constexprs). Returns :func:`analyze` of the build."""
+    constexprs), under a launch register cap ``maxnreg`` if given. Returns :func:`analyze` of the build."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig, attrs = _signature(fn, types, consts)
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     return analyze(k)
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, load_gate_up
 from ..block_scaled_launch import copies_arguments, or_dummy, quantized_copies
-from ..grouped_gemm import interpreting
+from ..grouped_gemm import interpreting, register_cap
 from ..schedule import max_m_tiles, tile_rows, total_tiles
 from .quantize import TILE, MXSpec, store_mx_chunk
 
@@ -30,6 +30,12 @@ from .quantize import TILE, MXSpec, store_mx_chunk
 # 1.77 (unrolled: run 33's launch, which made the MLP slower); 8 warps 1.03-1.34; the GEMM kernel's
 # epilogue (SEPARATE_DGLU_KERNEL = "gemm") 1.18.
 COLS, WARPS, UNROLL = 64, 4, 1
+# A register cap per thread at launch (None: ptxas's choice). Offline (sm_90a) the default launch builds to
+# 228 registers, so two 4-warp programs fit an SM; capped at 168 it builds without spills (24 more
+# instructions of 2648) and three fit; at 128, four, with 144 bytes of spills. Not timed yet on the GPU
+# (scripts/probe_mx_dglu.py has the configs): run 34 found 8-warp launches (142 registers, three programs
+# of 8 warps) slower, so more warps per SM is not known to pay here.
+MAXNREG = None
 
 
 @triton.jit
@@ -115,5 +121,5 @@ def launch(da: torch.Tensor, h: torch.Tensor, n: int, schedule: torch.Tensor, nu
         schedule, n, float(alpha), float(limit), num_experts + 1,
         ACT=ACT_IDS[activation], GATED=gated, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         WRITE_DBIAS=dbias is not None, ROWWISE=rowwise, COLWISE=colwise, **spec.constexprs(), BM=TILE, BK=cols,
-        PART=part, UNROLL=UNROLL, num_warps=4 if interpreting() else WARPS,
+        PART=part, UNROLL=UNROLL, num_warps=4 if interpreting() else WARPS, **register_cap(MAXNREG),
     )
