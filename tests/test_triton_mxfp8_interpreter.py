@@ -910,6 +910,18 @@ def test_recipe_and_kernel_arguments_are_validated():
         quantize_weight(torch.randn(128, 128), MXSpec())
     with pytest.raises(ValueError, match="kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got 'fc3'"):
         gemm.default_config("fc3")
+    # a K step of its own (MXGemmConfig.block_k) needs both operands as BF16 values: FP8 codes carry 1x32
+    # scales that the kernel reads per K step of 128
+    sched, spec = torch.zeros(20, dtype=torch.int32), MXSpec()
+    codes = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    config = gemm.MXGemmConfig(expand_bf16=True, block_k=64)
+    with pytest.raises(ValueError, match="config: block_k=64 needs both operands as BF16 values"):
+        gemm.launch("fc2", codes, torch.zeros(128, 8, dtype=torch.uint8), torch.zeros(1, 128, 256), None, 128, sched,
+                    1, spec, c=torch.empty(128, 128), config=config)
+    with pytest.raises(ValueError, match="config: block_k=48 needs both operands as BF16 values .* multiple of 32"):
+        gemm.launch("fc2", torch.zeros(128, 256, dtype=torch.bfloat16), None,
+                    torch.zeros(1, 128, 256, dtype=torch.bfloat16), None, 128, sched, 1, spec,
+                    c=torch.empty(128, 128), config=gemm.MXGemmConfig(expand_bf16=True, block_k=48))
 
 
 def test_shape_check_names_w1_and_w2():

@@ -99,6 +99,9 @@ class MXGemmConfig:
     split_epilogue: bool = True  # FC1 / dGLU epilogues in two independent 64-column halves (register pressure)
     expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see expand_bf16)
     epilogue: Optional[str] = None  # dGLU: "auto", "separate" or "fused"; None = DACT_EPILOGUE
+    # the K step with both operands BF16 values (no scales read, so any multiple of 32): None = EXPAND_BLOCK_K;
+    # 64 halves each stage's bytes, room for BN = 128 (gate and up) at 3-4 stages (scripts/probe_mx_fc1.py)
+    block_k: Optional[int] = None
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> MXGemmConfig:
@@ -383,8 +386,13 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
     if mode == MODE_FC1:
         cfg = fc1_covering(cfg, n, a_bf16 or b_bf16)
     block_k = EXPAND_BLOCK_K if cfg.expand_bf16 else MX
+    if cfg.block_k is not None:
+        if not (a_bf16 and b_bf16 and cfg.expand_bf16) or cfg.block_k % MX:
+            raise ValueError(f"config: block_k={cfg.block_k} needs both operands as BF16 values (the expand_bf16 "
+                             f"loop) and a multiple of {MX}")
+        block_k = cfg.block_k
     if k % block_k:
-        raise ValueError(f"config: expand_bf16 needs K={k} to be a multiple of {EXPAND_BLOCK_K}")
+        raise ValueError(f"config: K={k} must be a multiple of the K step {block_k}")
     acc_in = mode == MODE_DACT and _separate_dact(cfg, a)
     if acc_in:
         # the dGLU GEMM alone (this module's plain kernel), then this kernel's epilogue on its output
