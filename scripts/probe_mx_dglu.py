@@ -14,9 +14,9 @@ whole minus the GEMM) and found the launch that pays (``dglu_epilogue``'s commen
 
 from __future__ import annotations
 
+from mx_probe_problem import EXPERTS, FFN, HIDDEN, ROUTED, balanced_problem
 from probe_results import run_and_save
 
-ROUTED, HIDDEN, FFN, EXPERTS = 32768, 7168, 2048, 32
 # (columns per program, warps, unroll factor of the loop over a tile's chunks, register cap): run 34 timed 64 /
 # 128 columns at 4 / 8 warps, unrolled (4) and not (1); these are the shipped launch (64, 4, 1, None), it
 # capped at 168 registers (three programs per SM, no spills offline) and 128 (four, 144 bytes of spills),
@@ -29,13 +29,10 @@ def run() -> dict:
     import torch
 
     from te_fused_moe.backends.triton.mxfp8 import dglu_epilogue, gemm, quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+    from te_fused_moe.backends.triton.schedule import max_m_tiles
     from te_fused_moe.bench import do_bench_ms
 
-    torch.manual_seed(0)
-    spec = Q.MXSpec()
-    counts = torch.full((EXPERTS,), ROUTED // EXPERTS, dtype=torch.int32, device="cuda")
-    sched = build_schedule(counts, ROUTED, Q.TILE)
+    _, sched, spec, a_scale, b_scale, out = balanced_problem()
     dy = Q.expand_values(*_codes(Q, torch.randn(ROUTED, HIDDEN, device="cuda", dtype=torch.bfloat16), sched, spec))
     w2t = torch.randn(EXPERTS, FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02  # w2's transposed copy
     h = torch.randn(ROUTED, 2 * FFN, device="cuda", dtype=torch.bfloat16)
@@ -43,10 +40,6 @@ def run() -> dict:
     cfg = gemm.default_config("dact", True)
     dprob = torch.empty(FFN // cfg.block_n, ROUTED, device="cuda")
     dbias = torch.empty(max_m_tiles(ROUTED, EXPERTS, Q.TILE), 2 * FFN, device="cuda")
-    # BF16 operands: their scales are not read (placeholders of the right rank)
-    a_scale = torch.zeros(1, 1, device="cuda", dtype=torch.uint8)
-    b_scale = torch.zeros(1, 1, 1, device="cuda", dtype=torch.uint8)
-    out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "device": torch.cuda.get_device_name()}
 
     def dglu():
         dh = Q.new_rows(ROUTED, 2 * FFN, h, spec, EXPERTS, True, True, row_values=True, col_values=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mx_probe_problem import EXPERTS, FFN, HIDDEN, ROUTED, balanced_problem
 from probe_results import run_and_save
 
-ROUTED, HIDDEN, FFN, EXPERTS = 32768, 7168, 2048, 32
 # (N tile, K step, stages) of MXFP8's fused FC1; the first is the shipped config
 FC1_CONFIGS = [(64, None, 3), (128, 64, 3), (128, 64, 4), (64, 64, 4), (64, 64, 6), (128, None, 2)]
 
@@ -29,22 +29,15 @@ def run() -> dict:
 
     from te_fused_moe.backends.triton import grouped_gemm
     from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule
     from te_fused_moe.bench import do_bench_ms
 
-    torch.manual_seed(0)
-    spec = Q.MXSpec()
-    counts = torch.full((EXPERTS,), ROUTED // EXPERTS, dtype=torch.int32, device="cuda")
-    sched = build_schedule(counts, ROUTED, Q.TILE)
+    _, sched, spec, a_scale, b_scale, out = balanced_problem()
     x = torch.randn(ROUTED, HIDDEN, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(EXPERTS, 2 * FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
     b1 = torch.randn(EXPERTS, 2 * FFN, device="cuda", dtype=torch.bfloat16) * 0.1
     probs = torch.rand(ROUTED, device="cuda")
     h = torch.empty(ROUTED, 2 * FFN, device="cuda", dtype=torch.bfloat16)
-    a_scale = torch.zeros(1, 1, device="cuda", dtype=torch.uint8)  # BF16 operands: scales not read
-    b_scale = torch.zeros(1, 1, 1, device="cuda", dtype=torch.uint8)
     flops = 2.0 * ROUTED * HIDDEN * 2 * FFN
-    out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
     def record(label, fn):
         try:

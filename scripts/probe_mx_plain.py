@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mx_probe_problem import EXPERTS, FFN, HIDDEN, ROUTED, balanced_problem
 from probe_results import run_and_save
 
-ROUTED, HIDDEN, FFN, EXPERTS = 32768, 7168, 2048, 32
 # name -> (K, N): a [ROUTED, K] times each expert's B [N, K]^T
 SHAPES = {"fc2": (FFN, HIDDEN), "fc1_dgrad": (2 * FFN, HIDDEN), "dglu_gemm": (HIDDEN, FFN)}
 # the BF16 kernel's configs tried besides its default for the GEMM's kind (fc2 / dgrad)
@@ -31,19 +31,11 @@ def run() -> dict:
     import torch
 
     from te_fused_moe.backends.triton import grouped_gemm
-    from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule
+    from te_fused_moe.backends.triton.mxfp8 import gemm
     from te_fused_moe.bench import do_bench_ms
 
-    torch.manual_seed(0)
-    spec = Q.MXSpec()
-    counts = torch.full((EXPERTS,), ROUTED // EXPERTS, dtype=torch.int32, device="cuda")
+    counts, sched, spec, a_scale, b_scale, out = balanced_problem()
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    sched = build_schedule(counts, ROUTED, Q.TILE)
-    a_scale = torch.zeros(1, 1, device="cuda", dtype=torch.uint8)  # BF16 operands: scales not read
-    b_scale = torch.zeros(1, 1, 1, device="cuda", dtype=torch.uint8)
-    out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__}
     for name, (k, n) in SHAPES.items():
         a = torch.randn(ROUTED, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16) * 0.05
