@@ -91,7 +91,7 @@ def _some_ring_scales(ring, j, mma: gl.constexpr, NUM_STAGES: gl.constexpr, BAND
     return rows, scalar
 
 
-# which scale tile _copy_one copies, and whether it fences first (set before the first compile)
+# which scale tile _copy_one copies, and whether it and _copy_none fence first (set before the first compile)
 COPY_SCALAR = gl.constexpr(False)
 FENCE = gl.constexpr(True)
 
@@ -128,13 +128,9 @@ def _copy_rows_twice(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr)
 
 
 @gluon.jit
-def _copy_nothing(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
-    mbarrier.expect(ring[4].index(stage), nbytes)
-
-
-@gluon.jit
-def _fence_only(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
-    fence_async_shared()
+def _copy_none(ring, stage, blk, a_row, b_block_row, nbytes: gl.constexpr):
+    if FENCE:
+        fence_async_shared()
     mbarrier.expect(ring[4].index(stage), nbytes)
 
 
@@ -144,15 +140,15 @@ def _swap_copies(variant: str) -> None:
 
     global READ_ROWS, READ_SCALAR, COPY_SCALAR, FENCE
     COPY_SCALAR = gl.constexpr(variant == "ring_scalar_copy_only")
-    FENCE = gl.constexpr(variant != "ring_rows_copy_no_fence")
+    FENCE = gl.constexpr(variant not in ("ring_rows_copy_no_fence", "ring_no_copies"))
     READ_ROWS = gl.constexpr(variant in ("ring_rows_copy_only", "ring_scalar_copy_first", "ring_rows_copied_twice",
                                          "ring_rows_copy_no_fence"))
     READ_SCALAR = gl.constexpr(variant in ("ring_scalar_copy_only", "ring_scalar_copy_first"))
     W._ring_scales = _some_ring_scales
     wgmma_ws._copy_stage_scales = {"ring_rows_copy_only": _copy_one, "ring_scalar_copy_only": _copy_one,
                                    "ring_scalar_copy_first": _copy_scalar_first,
-                                   "ring_rows_copied_twice": _copy_rows_twice, "ring_no_copies": _copy_nothing,
-                                   "ring_fence_only": _fence_only, "ring_rows_copy_no_fence": _copy_one}[variant]
+                                   "ring_rows_copied_twice": _copy_rows_twice, "ring_no_copies": _copy_none,
+                                   "ring_fence_only": _copy_none, "ring_rows_copy_no_fence": _copy_one}[variant]
     if variant == "ring_rows_copied_twice":  # the scalar's "descriptor" is the row scales': its buffer as wide
         shipped = W.ring_scale_descriptors
 
@@ -167,7 +163,7 @@ def _swap_ring_reads(variant: str) -> None:
     """Replaces ``wgmma_gemm._ring_scales`` for the variants that drop one or both shared-memory reads."""
     global READ_ROWS, READ_SCALAR, COPY_SCALAR, FENCE
     COPY_SCALAR = gl.constexpr(variant == "ring_scalar_copy_only")
-    FENCE = gl.constexpr(variant != "ring_rows_copy_no_fence")
+    FENCE = gl.constexpr(variant not in ("ring_rows_copy_no_fence", "ring_no_copies"))
     READ_ROWS = gl.constexpr(variant == "ring_rows_only")
     READ_SCALAR = gl.constexpr(variant == "ring_scalar_only")
     W._ring_scales = _constant_ring_scales if variant == "ring_no_smem_reads" else _some_ring_scales
