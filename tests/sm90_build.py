@@ -34,6 +34,11 @@ def _signature(fn, types: dict, consts: dict):
     return sig, attrs
 
 
+def _options(maxnreg, **options) -> dict:
+    """Compile options, with the launch register cap ``maxnreg`` where one is given."""
+    return options if maxnreg is None else dict(options, maxnreg=maxnreg)
+
+
 def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: int = 4, maxnreg=None) -> dict:
     """Compiles jit function ``fn`` for sm_90a (arguments not in ``types`` are i32, ``consts`` are
     constexprs), under a launch register cap ``maxnreg`` if given. Returns :func:`analyze` of the build."""
@@ -42,8 +47,8 @@ def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: in
     from triton.compiler import ASTSource
 
     sig, attrs = _signature(fn, types, consts)
-    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=_options(maxnreg, num_warps=num_warps, num_stages=num_stages))
     return analyze(k)
 
 
@@ -56,9 +61,8 @@ def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int, maxnreg=None
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig, attrs = _signature(fn, types, dict(consts, num_warps=num_warps))
-    options = dict(num_warps=num_warps) if maxnreg is None else dict(num_warps=num_warps, maxnreg=maxnreg)
     k = triton.compile(GluonASTSource(fn, sig, dict(consts, num_warps=num_warps), attrs),
-                       target=GPUTarget("cuda", 90, 32), options=options)
+                       target=GPUTarget("cuda", 90, 32), options=_options(maxnreg, num_warps=num_warps))
     return analyze(k)
 
 
