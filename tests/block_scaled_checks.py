@@ -26,6 +26,15 @@ def poison_alloc(*args, **kwargs) -> torch.Tensor:
     return poisoned(torch.empty(*args, **kwargs))
 
 
+def far_from_fp64(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, shift=None) -> int:
+    """Elements of a GEMM's ``out`` (16-bit) farther from the FP64 ``a @ b`` (``+ shift``, a bias row) than
+    ``2^-8 |exact|`` (the output's rounding) ``+ 2^-12 (|a| @ |b|)`` (FP32 sums; on the GPU the FP8 wgmma's
+    reduced-precision accumulation inside one 128-block)."""
+    a, b = a.double(), b.double()
+    exact = a @ b if shift is None else a @ b + shift.double()
+    return int(((out.cpu().double() - exact).abs() > 2.0**-8 * exact.abs() + 2.0**-12 * (a.abs() @ b.abs())).sum())
+
+
 def unwritten(t: torch.Tensor) -> int:
     """Elements of ``t`` still holding :func:`poisoned`'s value."""
     if t.element_size() == 1:

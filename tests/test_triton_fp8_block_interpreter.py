@@ -41,7 +41,7 @@ from typing import Optional
 import pytest
 import torch
 
-from block_scaled_checks import poison_alloc, poisoned
+from block_scaled_checks import far_from_fp64 as far, poison_alloc, poisoned
 from moe_reference import run_in_triton_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,13 +364,7 @@ def check_kernels_exact(device: str, activation: str = "srelu", seed: int = 0, u
     rdh = ref.quantize(dg32, (1, 128), axis=1)
     bad["dh_row"] = _diff8(dhq.data, rdh.data) + _diff32(dhq.scale, rdh.scale)
     deq = lambda q: ref.dequantize(q, torch.float64)
-    # GEMMs whose inputs are not all small integers (a, dh): vs FP64 on the dequantized operands,
-    # |out - ref| <= 2^-8 |ref| (BF16 output) + 2^-12 (|A| @ |B|) (FP32 sums; on the GPU the FP8
-    # wgmma's reduced-precision accumulation inside one 128-block)
-    def far(out, a, b):
-        exact, bound = a @ b, a.abs() @ b.abs()
-        return int(((out.cpu().double() - exact).abs() > 2.0**-8 * exact.abs() + 2.0**-12 * bound).sum())
-
+    # GEMMs whose inputs are not all small integers (a, dh): vs FP64 on the dequantized operands (far_from_fp64)
     for grp in range(E + 1):
         ts, te_, rs, re_ = (int(v) for v in tab[:, grp])
         if re_ == rs:

@@ -44,7 +44,7 @@ import sys
 import pytest
 import torch
 
-from block_scaled_checks import poison_alloc, poisoned
+from block_scaled_checks import far_from_fp64 as far, poison_alloc, poisoned
 from moe_reference import run_in_triton_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -525,10 +525,6 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     bad["written_values"] = sum(t.dtype == torch.bfloat16 for t in (xq.data, aq.data, dyq.data, dyq.data_t, dhq.data,
                                                                      dhq.data_t))
     deq = lambda q: ref.dequantize(q, torch.float64)
-
-    def far(out, a, b):
-        exact, bound = a @ b, a.abs() @ b.abs()
-        return int(((out.cpu().double() - exact).abs() > 2.0**-8 * exact.abs() + 2.0**-12 * bound).sum())
 
     for grp in range(E + 1):
         ts, te_, rs, re_ = (int(v) for v in tab[:, grp])
