@@ -25,14 +25,15 @@ CPU = torch.device("cpu")
 GRAD_NAMES = ("x", "w1", "w2", "b1", "b2", "probs")
 # Bounds vs the FP64 loop on the same (fake-quantized) operands: FP32 compute, output in x.dtype.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
-# Quantized: a few operand elements may round to a neighbouring code because the backend forms
-# FC2's input and the gradients in FP32 where the ground truth uses FP64.
-QUANTIZED_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# Quantized, per recipe: a few operand elements may round to a neighbouring code because the backend
+# forms FC2's input and the gradients in FP32 where the ground truth uses FP64.
+FP8_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 # NVFP4: one such element is a step of up to half its value (E2M1 codes 1 -> 1.5), and at the fuzz's tiny
 # sizes one element is a large share of an output row. Seen (CI, reference backend, FP32, T = 7, H = F =
 # 64, E = 1, seed 2846537): a[2, 56] / its block scale = 1.25000 (FP64) and 1.24999 (FP32), a tie between
 # codes 1 and 1.5, which moved y by 1.1e-2 of its norm; every gradient stayed within 2e-7.
-NVFP4_TOLERANCE = {torch.float32: 3e-2, torch.bfloat16: 4e-2, torch.float16: 3e-2}
+QUANTIZED_TOLERANCE = {"mxfp8": FP8_TOLERANCE, "fp8_block": FP8_TOLERANCE,
+                       "nvfp4": {torch.float32: 3e-2, torch.bfloat16: 4e-2, torch.float16: 3e-2}}
 # Loose bounds vs the unquantized FP64 result that fit each format, with room for tiny problems
 # (seen over 300 random small ones: mxfp8 0.11, fp8_block 0.12, nvfp4 0.32).
 FORMAT_BOUND = {"mxfp8": 0.25, "fp8_block": 0.25, "nvfp4": 0.6}
@@ -156,8 +157,7 @@ def test_fuzz_quantized(case, recipe_name):
         problem = make_problem(case)
         y, dy, grads = run_backend(problem, case["activation"], recipe, backend, case["seed"])
         ref = quantized_expert_mlp_fp64(**problem, recipe=recipe, activation=case["activation"], dy=dy)
-        tolerance = NVFP4_TOLERANCE if recipe_name == "nvfp4" else QUANTIZED_TOLERANCE
-        compare(f"{backend} {recipe_name} {case}", y, grads, ref, tolerance[case["dtype"]])
+        compare(f"{backend} {recipe_name} {case}", y, grads, ref, QUANTIZED_TOLERANCE[recipe_name][case["dtype"]])
         # and the quantization error itself stays within what the format allows
         exact = expert_mlp_fp64(**problem, activation=case["activation"])
         if exact["y"].norm() > 0:
