@@ -12,6 +12,9 @@ width (as padded.py's weights are) and a bias, into a NaN-poisoned output:
   padding rows;
 - both are bitwise equal: under the interpreter the routed GEMM takes MXFP8's K step, so its FP32 sums run
   in that kernel's order, as the two kernels' wgmma steps do on the GPU (run 35a, DSv3: bitwise equal).
+
+And offline (sm_90a builds, no GPU): the routed kernel at the configs it is given fits the GPU's shared
+memory for every output dtype it writes (run 36a: an FP32 da at 128 x 256 tiles needed 278-328 KB).
 """
 
 from __future__ import annotations
@@ -85,6 +88,46 @@ def _worker():
     report["shipped"] = shipped
     report["bitwise_equal"] = bool(torch.equal(out["bf16"], out["mx"]))
     print("RESULTS" + json.dumps(report))
+
+
+def sm90_build_report() -> dict:
+    """The routed kernel built for sm_90a (interpreter off) at :func:`gemm.plain_values_config` for BF16 and
+    FP32 outputs at a short and a long K (4 and 3 stages in the FC2 config)."""
+    import torch
+    from sm90_build import build_sm90
+
+    from te_fused_moe.backends.triton import grouped_gemm
+    from te_fused_moe.backends.triton.act_math import ACT_IDS
+    from te_fused_moe.backends.triton.mxfp8 import gemm
+
+    report = {}
+    for out_dtype, out_type in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        for k in (256, 7168):
+            cfg = gemm.plain_values_config(2048, k, out_dtype)
+            types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+                         b_src=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", c_ptr=out_type, h_ptr=out_type,
+                         bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32",
+                         limit="fp32")
+            consts = dict(MODE=grouped_gemm.MODE_PLAIN, ACT=ACT_IDS["swiglu"], GATED=False, HAS_BIAS=True,
+                          HAS_PROBS=False, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True, EVEN_N=True,
+                          N_VEC8=True, USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=False, UPCAST=False,
+                          PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, GATE_UP_BOX=False, BM=cfg.block_m,
+                          BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
+            report[f"{out_type[1:]}_k{k}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts,
+                                                        cfg.num_warps, cfg.num_stages)
+    return report
+
+
+def test_routed_kernel_fits_shared_memory_for_every_output_dtype():
+    from sm90_build import have_tools, report_in_subprocess, tools_dir
+
+    if not have_tools():
+        pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
+    report = report_in_subprocess("test_mxfp8_plain_kernel")
+    assert len(report) == 4, report
+    for name, r in report.items():
+        assert r["shared"] <= 227 * 1024, (name, r)  # the sm_90 limit: else the launch fails on the GPU
+        assert r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0 and r["stack"] == 0, (name, r)
 
 
 @pytest.fixture(scope="module")

@@ -28,13 +28,13 @@ from .quantize import TILE, MXSpec, store_mx_chunk
 # Run 34 on an H100, DSv3 (scripts/probe_mx_dglu.py: the separate dGLU less its GEMM alone, 1.65 ms):
 # 64 columns, 4 warps, not unrolled 0.73 ms; unrolled 0.77; 128 columns, 4 warps 0.77 (not unrolled) and
 # 1.77 (unrolled: run 33's launch, which made the MLP slower); 8 warps 1.03-1.34; the GEMM kernel's
-# epilogue (SEPARATE_DGLU_KERNEL = "gemm") 1.18.
-COLS, WARPS, UNROLL = 64, 4, 1
+# epilogue (SEPARATE_DGLU_KERNEL = "gemm") 1.18. Run 36a (H100, same probe): 4 warps 0.666 ms, **2 warps
+# 0.559** (255 registers and 24 stack bytes offline, four programs per SM against two at 4 warps).
+COLS, WARPS, UNROLL = 64, 2, 1
 # A register cap per thread at launch (None: ptxas's choice). Offline (sm_90a) the default launch builds to
 # 228 registers, so two 4-warp programs fit an SM; capped at 168 it builds without spills (24 more
-# instructions of 2648) and three fit; at 128, four, with 144 bytes of spills. Not timed yet on the GPU
-# (scripts/probe_mx_dglu.py has the configs): run 34 found 8-warp launches (142 registers, three programs
-# of 8 warps) slower, so more warps per SM is not known to pay here.
+# instructions of 2648) and three fit; at 128, four, with 144 bytes of spills. Run 36a (H100) at 4 warps:
+# 0.697 ms capped at 168, 0.613 at 128, against 0.666 uncapped; 2 warps uncapped (0.559) beat them all.
 MAXNREG = None
 
 

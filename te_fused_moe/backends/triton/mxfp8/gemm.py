@@ -424,22 +424,32 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
 
 def _plain_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torch.Tensor,
                           num_experts: int, c: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``c = A_e @ B_e^T (+ bias_e)`` on BF16 values by the BF16 backend's grouped GEMM at its FC2 config
-    (the fastest of those run 35a timed at all three GEMMs), on this recipe's schedule (128-row tiles;
-    the interpreter's small config is given that height)."""
+    """``c = A_e @ B_e^T (+ bias_e)`` on BF16 values by the BF16 backend's grouped GEMM
+    (:func:`plain_values_config`), on this recipe's schedule."""
     from .. import grouped_gemm
 
     k = a.shape[1]
-    cfg = grouped_gemm.default_config("fc2", n, k)
-    # this recipe's tile height, and its TMA switch (the tests' pointer-load cases)
-    cfg = replace(cfg, block_m=TILE, use_tma=USE_TMA_DEFAULT)
+    grouped_gemm.launch_scheduled("fc2", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, c, schedule,
+                                  num_experts, plain_values_config(n, k, c.dtype), bias=bias)
+    return c
+
+
+def plain_values_config(n: int, k: int, out_dtype: torch.dtype):
+    """The BF16 backend's config for a plain GEMM on BF16 values: its FC2 config (the fastest of those run
+    35a timed at all three GEMMs) at this recipe's 128-row tiles and TMA switch (the tests' pointer-load
+    cases). An FP32 output (da for the separate dGLU epilogue when h is FP32) takes 128-column tiles: its
+    128 x 256 tile staged for the store needs 128 KB of shared memory, 278 KB in all at 3 stages (run 36a:
+    the launch failed), against 192 KB at 128 x 128 x 64 with 4 stages."""
+    from .. import grouped_gemm
+
+    cfg = replace(grouped_gemm.default_config("fc2", n, k), block_m=TILE, use_tma=USE_TMA_DEFAULT)
     if interpreting():
         # the interpreter sums each K step's dot as one matmul: at this module's K step the sums run in
         # the order of its kernel, as both kernels' wgmma chains do on the GPU (run 35a: bitwise equal)
-        cfg = replace(cfg, block_k=EXPAND_BLOCK_K)
-    grouped_gemm.launch_scheduled("fc2", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, c, schedule,
-                                  num_experts, cfg, bias=bias)
-    return c
+        return replace(cfg, block_k=EXPAND_BLOCK_K)
+    if out_dtype == torch.float32:
+        return replace(cfg, block_n=128, num_stages=4)
+    return cfg
 
 
 def fc1_covering(cfg: MXGemmConfig, n: int, bf16_operands: bool) -> MXGemmConfig:
