@@ -29,8 +29,14 @@ def _signature(fn, types: dict, consts: dict):
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(types)
     sig.update({c: "constexpr" for c in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"))}
+    attrs = {}
+    for i, n in enumerate(fn.arg_names):
+        if n in consts:
+            continue
+        if isinstance(sig[n], tuple):  # a tuple argument: its pointers, at (argument, member)
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j, t in enumerate(sig[n]) if t.startswith("*")})
+        elif sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
 
