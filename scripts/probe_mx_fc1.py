@@ -3,8 +3,10 @@ both operands BF16 values, as the values path reads them; h saved in BF16, ``a``
 and columnwise as codes, as the fused path writes them) at a few configs of MXFP8's kernel
 (``gemm.MXGemmConfig``: N tile, K step, stages), against its GEMM alone (plain, on the BF16 persistent
 kernel since run 35) and the BF16 backend's FC1 (``grouped_gemm``, GEMM + GLU writing h and ``a`` in
-BF16, persistent, 128 x 256 tiles). A measurement tool, not a test: configs that do not build or launch
-are recorded with their error.
+BF16, persistent, 128 x 256 tiles), and that kernel with MXFP8's quantizing store of ``a``
+(``gemm.FC1_VALUES_KERNEL = "bf16"``) at its config and a few others, its h and ``a`` compared bytewise
+with MXFP8's kernel's. A measurement tool, not a test: configs that do not build or launch are recorded
+with their error.
 
 Why: since run 35 the unfused path's FC1 is a plain GEMM on the BF16 persistent kernel (~690 TFLOP/s),
 while the fused FC1 (GEMM + GLU + quantize in one kernel) stays on MXFP8's kernel at 128 x (64 + 64)
@@ -20,8 +22,11 @@ from dataclasses import replace
 from mx_probe_problem import EXPERTS, FFN, HIDDEN, ROUTED, balanced_problem
 from probe_results import run_and_save
 
-# (N tile, K step, stages) of MXFP8's fused FC1; the first is the shipped config
-FC1_CONFIGS = [(64, None, 3), (128, 64, 3), (128, 64, 4), (64, 64, 4), (64, 64, 6), (128, None, 2)]
+# (N tile, K step, stages) of MXFP8's fused FC1; the first is the shipped config (run 36a, H100: 3.53 ms; BN 128 at
+# BK 64 3.76-3.95, BN 64 at BK 64 5.0-5.1, BN 128 at BK 128 with 2 stages 3.85)
+FC1_CONFIGS = [(64, None, 3)]
+# the BF16 backend's kernel with MXFP8's store of a (gemm.fc1_values_config, then these changes of it)
+BF16_KERNEL_VARIANTS = {"shipped": {}, "3_stages": dict(num_stages=3), "not_flattened": dict(flatten=False)}
 
 
 def run() -> dict:
@@ -55,6 +60,21 @@ def run() -> dict:
                lambda: gemm.launch("fc1", x, a_scale, w1, b_scale, FFN, sched, EXPERTS, spec, q=aq, h=h,
                                    h_up_offset=FFN, b_up_rows=FFN, bias=b1, bias_up_offset=FFN, probs=probs,
                                    activation="swiglu", gated=True, config=cfg))
+    shipped_values_config, shipped_kernel = gemm.fc1_values_config, gemm.FC1_VALUES_KERNEL
+    fc1 = lambda q: gemm.launch("fc1", x, a_scale, w1, b_scale, FFN, sched, EXPERTS, spec, q=q, h=h, h_up_offset=FFN,
+                                b_up_rows=FFN, bias=b1, bias_up_offset=FFN, probs=probs, activation="swiglu",
+                                gated=True)
+    try:
+        gemm.FC1_VALUES_KERNEL = "bf16"
+        for name, change in BF16_KERNEL_VARIANTS.items():
+            gemm.fc1_values_config = lambda n, k, h_dtype, change=change: replace(
+                shipped_values_config(n, k, h_dtype), **change)
+            record(f"fc1_on_bf16_kernel_{name}", lambda: fc1(aq))
+        gemm.fc1_values_config = shipped_values_config
+        out["bytes_differing_from_mx_kernel"] = _compare_kernels(gemm, Q, fc1, h, x, spec)
+        print("bytes differing", out["bytes_differing_from_mx_kernel"], flush=True)
+    finally:
+        gemm.fc1_values_config, gemm.FC1_VALUES_KERNEL = shipped_values_config, shipped_kernel
     record("plain_gemm_h_only", lambda: gemm.launch("fc2", x, a_scale, w1, b_scale, 2 * FFN, sched, EXPERTS, spec,
                                                     c=h))
     a_bf16 = torch.empty(ROUTED, FFN, device="cuda", dtype=torch.bfloat16)
@@ -64,6 +84,23 @@ def run() -> dict:
         b_up_rows=FFN, h=h, h_up_offset=FFN, bias=b1, bias_up_offset=FFN, probs=probs, activation="swiglu",
         gated=True))
     return out
+
+
+def _compare_kernels(gemm, Q, fc1, h, x, spec) -> dict:
+    """h and ``a``'s four buffers from the BF16 kernel route and from MXFP8's kernel: elements that differ."""
+    import torch
+
+    runs = {}
+    for kernel in ("bf16", "mx"):
+        gemm.FC1_VALUES_KERNEL = kernel
+        aq = Q.new_rows(ROUTED, FFN, x, spec, EXPERTS, True, True, torch.zeros, row_values=True, col_values=False)
+        h.fill_(float("nan"))
+        fc1(aq)
+        runs[kernel] = [h.clone().view(torch.int16), aq.data.view(torch.int16), aq.scale, aq.data_t.view(torch.uint8),
+                        aq.scale_t]
+    torch.cuda.synchronize()
+    return {name: int((b != m).sum()) for name, b, m in zip(("h", "a_row", "a_row_scale", "a_col", "a_col_scale"),
+                                                            runs["bf16"], runs["mx"])}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""MXFP8's plain GEMMs whose operands are both BF16 values (``mxfp8.gemm.PLAIN_VALUES_KERNEL``), on CPU
-through Triton's interpreter, in a fresh process (``moe_reference.run_in_triton_interpreter``).
+"""MXFP8's GEMMs on BF16 values hosted on the BF16 backend's persistent grouped GEMM, on CPU through Triton's
+interpreter, in a fresh process (``moe_reference.run_in_triton_interpreter``).
 
-On random data and a routing with an empty expert and padding rows, B's rows padded past the output's
-width (as padded.py's weights are) and a bias, into a NaN-poisoned output:
+Plain GEMMs whose operands are both BF16 values (``mxfp8.gemm.PLAIN_VALUES_KERNEL``): on random data and a
+routing with an empty expert and padding rows, B's rows padded past the output's width (as padded.py's
+weights are) and a bias, into a NaN-poisoned output:
 
 - ``"bf16"`` (the default) runs the BF16 backend's persistent grouped GEMM
   (``grouped_gemm.launch_scheduled``), ``"mx"`` MXFP8's own kernel; an FP8 operand always takes MXFP8's
@@ -13,8 +14,14 @@ width (as padded.py's weights are) and a bias, into a NaN-poisoned output:
 - both are bitwise equal: under the interpreter the routed GEMM takes MXFP8's K step, so its FP32 sums run
   in that kernel's order, as the two kernels' wgmma steps do on the GPU (run 35a, DSv3: bitwise equal).
 
-And offline (sm_90a builds, no GPU): the routed kernel at the configs it is given fits the GPU's shared
-memory for every output dtype it writes (run 36a: an FP32 da at 128 x 256 tiles needed 278-328 KB).
+FC1 on BF16 values (``mxfp8.gemm.FC1_VALUES_KERNEL``: ``"bf16"`` = the BF16 backend's kernel with MXFP8's
+quantizing store of ``a``), gated with both copies of ``a`` and not gated with the rowwise copy alone, into
+poisoned buffers: h against FP64, ``a``'s values against FP64 act(h) * p within E4M3's rounding, every
+element written, zeros on the padding rows, and the same bytes from both kernels (h, ``a``'s codes,
+values and scales).
+
+And offline (sm_90a builds, no GPU): the routed kernels at the configs they are given fit the GPU's shared
+memory for every output dtype they write (run 36a: an FP32 da at 128 x 256 tiles needed 278-328 KB).
 """
 
 from __future__ import annotations
@@ -91,14 +98,15 @@ def _worker():
 
 
 def sm90_build_report() -> dict:
-    """The routed kernel built for sm_90a (interpreter off) at :func:`gemm.plain_values_config` for BF16 and
-    FP32 outputs at a short and a long K (4 and 3 stages in the FC2 config)."""
+    """The routed kernels built for sm_90a (interpreter off): plain at :func:`gemm.plain_values_config` for
+    BF16 and FP32 outputs at a short and a long K (4 and 3 stages in the FC2 config), FC1 at
+    :func:`gemm.fc1_values_config` for h in BF16 and FP32."""
     import torch
     from sm90_build import build_sm90
 
     from te_fused_moe.backends.triton import grouped_gemm
     from te_fused_moe.backends.triton.act_math import ACT_IDS
-    from te_fused_moe.backends.triton.mxfp8 import gemm
+    from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
 
     report = {}
     for out_dtype, out_type in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
@@ -115,24 +123,136 @@ def sm90_build_report() -> dict:
                           BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
             report[f"{out_type[1:]}_k{k}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts,
                                                         cfg.num_warps, cfg.num_stages)
+    # FC1 with MXFP8's store of a (both copies, rowwise values), h in BF16 and FP32 (3 stages)
+    spec = Q.MXSpec()
+    for h_dtype, h_type in ((torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        cfg = gemm.fc1_values_config(2048, 7168, h_dtype)
+        types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+                     b_src=f"tensordesc<bf16[2, {cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
+                     bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32",
+                     limit="fp32", a_store_args=("*bf16", "i32", "*u8", "i32", "i32", "*u8", "i32", "*u8", "i32"))
+        consts = dict(MODE=grouped_gemm.MODE_ACT_FWD, ACT=ACT_IDS["swiglu"], GATED=True, HAS_BIAS=True,
+                      HAS_PROBS=True, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True, EVEN_N=True, N_VEC8=True,
+                      USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=False, UPCAST=False, PERSISTENT=cfg.persistent,
+                      FLATTEN=cfg.flatten, GATE_UP_BOX=cfg.gate_up_box, A_STORE=gemm.store_mx_activation,
+                      A_STORE_CONSTS=(True, True, *spec.constexprs().values()), BM=cfg.block_m, BN=cfg.block_n,
+                      BK=cfg.block_k, GROUP_M=cfg.group_m)
+        report[f"fc1_h_{h_type[1:]}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts, cfg.num_warps,
+                                                   cfg.num_stages)
     return report
 
 
-def test_routed_kernel_fits_shared_memory_for_every_output_dtype():
+def test_routed_kernels_fit_shared_memory_for_every_output_dtype():
     from sm90_build import have_tools, report_in_subprocess, tools_dir
 
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
-    report = report_in_subprocess("test_mxfp8_plain_kernel")
-    assert len(report) == 4, report
+    report = report_in_subprocess("test_mxfp8_on_bf16_kernel")
+    assert len(report) == 6, report
     for name, r in report.items():
         assert r["shared"] <= 227 * 1024, (name, r)  # the sm_90 limit: else the launch fails on the GPU
-        assert r["hgmma"] > 0 and r["loop_found"] and r["loop_spills"] == 0 and r["stack"] == 0, (name, r)
+        assert r["hgmma"] > 0 and r["loop_found"], (name, r)
+        if not name.startswith("fc1"):  # FC1's flattened loop holds its quantizing epilogue, which spills
+            assert r["loop_spills"] == 0 and r["stack"] == 0, (name, r)
+
+
+# FC1 cases: (activation, gated, copies of a written: rowwise, colwise)
+FC1_CASES = {"swiglu-both-copies": ("swiglu", True, True, True), "srelu-rowwise-only": ("srelu", False, True, False)}
+
+
+def _fc1_worker():
+    """FC1 on BF16 values on both kernels (``gemm.FC1_VALUES_KERNEL``), from the same random inputs into
+    poisoned buffers: h and a's copies compared bytewise, unwritten elements counted, h against FP64, a's
+    rowwise values against FP64 act(h) * p."""
+    import json
+
+    import torch
+    from block_scaled_checks import far_from_fp64, poison_alloc, unwritten
+
+    from te_fused_moe.activations import get_activation
+    from te_fused_moe.backends.triton import grouped_gemm
+    from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    calls = []
+    launch_scheduled = grouped_gemm.launch_scheduled
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return launch_scheduled(*args, **kwargs)
+
+    grouped_gemm.launch_scheduled = counted
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh data every run
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    routed, experts, ffn = sum(COUNTS), len(COUNTS), 128
+    rows = routed + PADDING
+    sched = build_schedule(counts, rows, Q.TILE)
+    tiles = int(sched[len(COUNTS)])  # the padding group's first tile: the experts' tiles before it
+    no_scale_a, no_scale_b = torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1, 1, dtype=torch.uint8)
+    report = {"shipped": gemm.FC1_VALUES_KERNEL}
+    shipped = gemm.FC1_VALUES_KERNEL
+    try:
+        for case, (activation, gated, rowwise, colwise) in FC1_CASES.items():
+            width = 2 * ffn if gated else ffn
+            x = torch.randn(rows, K, generator=g).bfloat16()
+            w1 = (torch.randn(experts, width, K, generator=g) * 0.1).bfloat16()
+            b1 = torch.randn(experts, width, generator=g).bfloat16()
+            probs = torch.rand(rows, generator=g)
+            runs = {}
+            for kernel in ("bf16", "mx"):
+                gemm.FC1_VALUES_KERNEL = kernel
+                before = len(calls)
+                h = poison_alloc((rows, width), dtype=torch.bfloat16)
+                q = Q.new_rows(rows, ffn, x, Q.MXSpec(), experts, rowwise, colwise, poison_alloc, row_values=True)
+                gemm.launch("fc1", x, no_scale_a, w1, no_scale_b, ffn, sched, experts, Q.MXSpec(), q=q, h=h,
+                            h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn, probs=probs,
+                            activation=activation, gated=gated)
+                copies = [q.data[:routed], q.scale[:routed]] if rowwise else []
+                if colwise:  # the experts' tiles' slots (the padding group's tiles write zeros past routed)
+                    copies += [q.data_t[:, :tiles * Q.TILE], q.scale_t[:tiles * (Q.TILE // 32)]]
+                runs[kernel] = [h[:routed]] + copies
+                starts = [0] + counts.cumsum(0).tolist()
+                h_far = sum(far_from_fp64(h[first:end], x[first:end], w1[e].T, b1[e])
+                            for e, (first, end) in enumerate(zip(starts, starts[1:])))
+                h64 = torch.cat([x[first:end].double() @ w1[e].T.double() + b1[e].double()
+                                 for e, (first, end) in enumerate(zip(starts, starts[1:]))])
+                a64 = get_activation(activation).forward(h64) * probs[:routed, None].double()
+                # E4M3's rounding (2^-4 of a value), plus its subnormals' spacing in a block scaled to 448
+                a_far = int(((q.data[:routed].double() - a64).abs() > 2.0**-4 * a64.abs()
+                             + 2.0**-10 * a64.abs().amax(dim=1, keepdim=True)).sum())
+                report[f"{case}_{kernel}"] = {"routed_calls": len(calls) - before, "h_far": h_far, "a_far": a_far,
+                                              "unwritten": sum(unwritten(t) for t in runs[kernel]),
+                                              "padding_rows_nonzero": int((q.data[routed:] != 0).sum())}
+            report[f"{case}_bitwise_equal"] = all(
+                torch.equal(b.contiguous().view(torch.uint8), m.contiguous().view(torch.uint8))
+                for b, m in zip(runs["bf16"], runs["mx"]))
+    finally:
+        gemm.FC1_VALUES_KERNEL = shipped
+    print("RESULTS" + json.dumps(report))
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_in_triton_interpreter("import test_mxfp8_plain_kernel as t; t._worker()")
+    return run_in_triton_interpreter("import test_mxfp8_on_bf16_kernel as t; t._worker()")
+
+
+@pytest.fixture(scope="module")
+def fc1_results():
+    return run_in_triton_interpreter("import test_mxfp8_on_bf16_kernel as t; t._fc1_worker()")
+
+
+@pytest.mark.parametrize("case", list(FC1_CASES))
+def test_fc1_on_both_kernels_matches_fp64_and_writes_every_element(fc1_results, case):
+    for kernel, calls in (("bf16", 1), ("mx", 0)):
+        r = fc1_results[f"{case}_{kernel}"]
+        assert r["routed_calls"] == calls, (kernel, r)
+        assert r["h_far"] == 0 and r["a_far"] == 0 and r["unwritten"] == 0, (kernel, r)
+        assert r["padding_rows_nonzero"] == 0, (kernel, r)
+
+
+@pytest.mark.parametrize("case", list(FC1_CASES))
+def test_fc1_on_both_kernels_writes_the_same_bytes(fc1_results, case):
+    assert fc1_results[f"{case}_bitwise_equal"], fc1_results
 
 
 def test_bf16_values_route_to_the_persistent_kernel_by_default(results):

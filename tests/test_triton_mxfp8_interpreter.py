@@ -86,6 +86,12 @@ MLP_CASES = [
     ("gptoss-ptr-hybrid-mxplain", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
      "HYBRID"),
     ("padded-swiglu-mxplain", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    # FC1 on BF16 values on the BF16 backend's persistent kernel with this recipe's quantizing store of a
+    # (gemm.FC1_VALUES_KERNEL = "bf16"), TMA and pointer loads, gated and not, h in FP32 and BF16
+    ("swiglu-empty-pad-sepdglu-fc1bf16", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    ("gptoss-ptr-hybrid-hbf16-fc1bf16", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (),
+     "HYBRID"),
+    ("srelu-frozenw2-fc1bf16", 260, 128, 128, 2, "srelu", False, True, "balanced", 0, True, True, ("w2",), "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
@@ -586,10 +592,13 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     written, autograd.QUANTIZE_TO_VALUES = autograd.QUANTIZE_TO_VALUES, "-codes" not in case_id
     plain = gemm.PLAIN_VALUES_KERNEL
     gemm.PLAIN_VALUES_KERNEL = "bf16" if "-bf16plain" in case_id else "mx" if "-mxplain" in case_id else plain
+    fc1 = gemm.FC1_VALUES_KERNEL
+    gemm.FC1_VALUES_KERNEL = "bf16" if "-fc1bf16" in case_id else "mx" if "-fc1mx" in case_id else fc1
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
+        gemm.FC1_VALUES_KERNEL = fc1
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
         autograd.QUANTIZE_TO_VALUES = written
         gemm.SEPARATE_DGLU_KERNEL, gemm.PLAIN_VALUES_KERNEL = dglu_kernel, plain

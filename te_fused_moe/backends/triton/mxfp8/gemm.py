@@ -47,9 +47,9 @@ import triton
 import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
-from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_FC1, MODE_PLAIN, kernel_operands, operand_sources,
-                                   quantized_copies, separate_epilogue, tiled_width, tma_allowed)
-from ..grouped_gemm import interpreting
+from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_FC1, MODE_PLAIN, copies_arguments, kernel_operands,
+                                   operand_sources, quantized_copies, separate_epilogue, tiled_width, tma_allowed)
+from ..grouped_gemm import column_halves, interpreting
 from ..operand_tiles import k_block, operand_tiles
 from ..padded import padded_size
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
@@ -84,6 +84,13 @@ SEPARATE_DGLU_KERNEL = "chunks"
 # outputs bitwise equal on random data. The MXFP8 MLP: fused 18.57 -> 17.60 ms, unfused 22.79 -> 21.09.
 # A launch given an explicit ``config`` runs this module's kernel with it.
 PLAIN_VALUES_KERNEL = "bf16"
+# The kernel of FC1 on BF16 values (x's values, w1's values) at an FFN size on the tile: "bf16" = the BF16
+# backend's persistent grouped GEMM (128 x (128 + 128) x 64 tiles, gate and up in one TMA box, 4 stages)
+# with its FC1 epilogue storing ``a`` through this module's quantizing store (:func:`store_mx_activation`);
+# "mx" = this module's kernel (one program per tile, 128 x (64 + 64) x 128, 3 stages). Run 36a, H100, DSv3
+# (scripts/probe_mx_fc1.py): this module's FC1 3.53 ms, the BF16 backend's FC1 writing ``a`` in BF16 2.92,
+# its GEMM alone 2.75. A launch given an explicit ``config`` runs this module's kernel with it.
+FC1_VALUES_KERNEL = "mx"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
 # accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
@@ -190,6 +197,25 @@ def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_h
         store_mx(du, rows64, row_ok, cols + q_up_offset, tile, q_ptr, stride_qm, qs_ptr, stride_qsm, stride_qsk,
                  qt_ptr, stride_qtn, qts_ptr, stride_qtsb, ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BM, BN)
     return part
+
+
+@triton.jit
+def store_mx_activation(value, rows64, row_ok, cols, col_ok, tile, c_ptr, stride_cm, q, CONSTS: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """The BF16 backend's FC1 epilogue storing ``a`` [BM, BN] MXFP8-quantized (its ``A_STORE``, see
+    ``grouped_gemm.launch_scheduled``): rowwise and / or columnwise into the tile's slot (:func:`store_mx`),
+    in two halves of the columns, as this module's SPLIT_EPILOGUE (1x32 blocks never span them, and half
+    the FP32 state is live next to the quantize). ``q``: ``copies_arguments``' run; ``CONSTS``: (ROWWISE,
+    COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP). Every column is stored (the caller's N is on the tile);
+    ``c_ptr``, ``col_ok`` unused."""
+    BM: tl.constexpr = value.shape[0]
+    HALF: tl.constexpr = value.shape[1] // 2
+    lo, hi = column_halves(value, BM, HALF)
+    cols_lo = tl.min(cols, axis=0) + tl.arange(0, HALF)
+    store_mx(lo, rows64, row_ok, cols_lo, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], CONSTS[0],
+             CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, HALF)
+    store_mx(hi, rows64, row_ok, cols_lo + HALF, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
+             CONSTS[0], CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, HALF)
 
 
 @triton.jit
@@ -376,6 +402,10 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         raise ValueError(f"MXFP8 GEMM: K={k} must be a multiple of {MX} and N={n} of {TILE}")
     if mode == MODE_PLAIN and a_bf16 and b_bf16 and config is None and PLAIN_VALUES_KERNEL == "bf16":
         return _plain_on_bf16_kernel(a, b, n, schedule, num_experts, c, bias)
+    if (mode == MODE_FC1 and a_bf16 and b_bf16 and config is None and FC1_VALUES_KERNEL == "bf16" and n % TILE == 0
+            and b.shape[1] == (2 if gated else 1) * n and q is not None):
+        return _fc1_on_bf16_kernel(a, b, n, schedule, num_experts, spec, q, h, h_up_offset, bias, bias_up_offset,
+                                   probs, activation, alpha, limit, gated)
     cfg = config or default_config(kind, a_bf16 and b_bf16)
     if (a_bf16 or b_bf16) and not cfg.expand_bf16:
         raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
@@ -432,6 +462,42 @@ def _plain_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: to
     grouped_gemm.launch_scheduled("fc2", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, c, schedule,
                                   num_experts, plain_values_config(n, k, c.dtype), bias=bias)
     return c
+
+
+def _fc1_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torch.Tensor, num_experts: int,
+                        spec: MXSpec, q, h: torch.Tensor, h_up_offset: int, bias: Optional[torch.Tensor],
+                        bias_up_offset: int, probs: Optional[torch.Tensor], activation: str, alpha: float,
+                        limit: float, gated: bool):
+    """FC1 on BF16 values by the BF16 backend's grouped GEMM (:func:`fc1_values_config`), its epilogue
+    saving h and storing ``a`` through :func:`store_mx_activation`, on this recipe's schedule."""
+    from .. import grouped_gemm
+
+    k = a.shape[1]
+    rowwise, colwise = quantized_copies(q)
+    dummy = a.view(torch.uint8)
+    a_store = (store_mx_activation, copies_arguments(q, dummy, dummy),
+               (rowwise, colwise, *spec.constexprs().values()))
+    # h stands in for c: the kernel passes c to the store, which writes q instead
+    return grouped_gemm.launch_scheduled("fc1", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, h, schedule,
+                                         num_experts, fc1_values_config(n, k, h.dtype), b_up_rows=n if gated else 0, h=h,
+                                         h_up_offset=h_up_offset, bias=bias, bias_up_offset=bias_up_offset,
+                                         probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
+                                         a_store=a_store)
+
+
+def fc1_values_config(n: int, k: int, h_dtype: torch.dtype):
+    """The BF16 backend's FC1 config at this recipe's 128-row tiles and TMA switch; 3 stages where h is
+    FP32 (4 need 262 KB of shared memory, offline sm_90a build). Under the interpreter 64 + 64 columns
+    (the interpreter's MXFP8 FC1 tile) at this module's K step, so that its sums run in the order of this
+    module's kernel (as :func:`plain_values_config`)."""
+    from .. import grouped_gemm
+
+    cfg = replace(grouped_gemm.default_config("fc1", n, k), block_m=TILE, use_tma=USE_TMA_DEFAULT)
+    if interpreting():
+        return replace(cfg, block_n=64, block_k=EXPAND_BLOCK_K)
+    if h_dtype == torch.float32:
+        return replace(cfg, num_stages=3)
+    return cfg
 
 
 def plain_values_config(n: int, k: int, out_dtype: torch.dtype):
