@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mxfp8_tests_fc1bf16] [mx_fc1_bench] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -26,9 +26,9 @@
 # rounds, no kernel table.
 # mx_fc1_probe: MXFP8's fused FC1 at DSv3 on its kernel and on the BF16 backend's persistent kernel with its
 # quantizing store of a (gemm.FC1_VALUES_KERNEL), a few configs of the latter, the bytes of both compared,
-# against its GEMM alone and the BF16 backend's FC1 (scripts/probe_mx_fc1.py). mxfp8_tests_fc1bf16: MXFP8's GPU
-# tests with FC1_VALUES_KERNEL = "bf16". mx_fc1_bench: the MXFP8 MLP at DSv3, fused with either FC1 kernel and
-# unfused, interleaved rounds, no kernel table.
+# against its GEMM alone and the BF16 backend's FC1 (scripts/probe_mx_fc1.py). mx_fc1_bench: the MXFP8 MLP at
+# DSv3, fused with either FC1 kernel and unfused, interleaved rounds, no kernel table. mxfp8_tests: MXFP8_K, a
+# pytest -k selection of them (run 36 split the file over four calls with it).
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config
 # (scripts/probe_mx_dglu.py). ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
 # weight scales' width), then at K = 512 under compute-sanitizer's memcheck where the image has it.
@@ -70,8 +70,8 @@ for s in $STEPS; do
                  tests/gpu/test_triton_fp8_block_gpu.py;;
     nvfp4_tests) step pytest_nvfp4 "${NVFP4_TESTS_TIMEOUT:-200}" python -m pytest -m gpu -q -p no:cacheprovider \
                    tests/gpu/test_triton_nvfp4_gpu.py;;
-    mxfp8_tests) step pytest_mxfp8 "${MXFP8_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
-                   tests/gpu/test_triton_mxfp8_gpu.py;;
+    mxfp8_tests) step pytest_mxfp8 "${MXFP8_TESTS_TIMEOUT:-260}" python -m pytest -m gpu -q -p no:cacheprovider \
+                   tests/gpu/test_triton_mxfp8_gpu.py ${MXFP8_K:+-k "$MXFP8_K"};;
     wgmma_tests) step pytest_wgmma "${WGMMA_TESTS_TIMEOUT:-420}" python -m pytest -m gpu -q -p no:cacheprovider \
                    tests/gpu/test_fp8_block_wgmma_gpu.py ${WGMMA_K:+-k "$WGMMA_K"};;
     other_tests) step pytest_other "${OTHER_TESTS_TIMEOUT:-420}" python -m pytest -m gpu -q -p no:cacheprovider -rs \
@@ -126,13 +126,9 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                       --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
                       mxfp8_fused,mxfp8_unfused,mxfp8_fused_mx_plain_kernel,mxfp8_unfused_mx_plain_kernel \
                       --out "$OUT/recipes_mxfp8_plain";;
-    mxfp8_tests_fc1bf16) step pytest_mxfp8_fc1bf16 "${MXFP8_TESTS_TIMEOUT:-260}" python -c "import sys, pytest
-from te_fused_moe.backends.triton.mxfp8 import gemm
-gemm.FC1_VALUES_KERNEL = 'bf16'
-sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/test_triton_mxfp8_gpu.py']))";;
     mx_fc1_bench) step recipes_mxfp8_fc1 "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
-                    bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_fc1_bf16_kernel --out "$OUT/recipes_mxfp8_fc1";;
+                    bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_fc1_mx_kernel --out "$OUT/recipes_mxfp8_fc1";;
     mx_fc1_probe) step probe_mx_fc1 "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_fc1.py --out "$OUT/probe_mx_fc1";;
     mx_dglu_probe) step probe_mx_dglu "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_dglu.py --out "$OUT/probe_mx_dglu";;
     ring_debug) step pytest_ring_k4096 "${WGMMA_TESTS_TIMEOUT:-150}" python -m pytest -m gpu -q -p no:cacheprovider \

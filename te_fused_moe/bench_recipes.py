@@ -327,9 +327,10 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       "mxfp8_fused_mx_plain_kernel": _fused_under("mxfp8", gemm=dict(PLAIN_VALUES_KERNEL="mx")),
                       "mxfp8_unfused_mx_plain_kernel": _fused_under("mxfp8", _unfused,
                                                                     gemm=dict(PLAIN_VALUES_KERNEL="mx")),
-                      # the fused FC1 on the BF16 backend's persistent kernel with this recipe's quantizing
-                      # store of a (gemm.FC1_VALUES_KERNEL; the unfused FC1 is a plain GEMM, routed as above)
-                      "mxfp8_fused_fc1_bf16_kernel": _fused_under("mxfp8", gemm=dict(FC1_VALUES_KERNEL="bf16"))},
+                      # the fused FC1 on this recipe's kernel instead of the BF16 backend's persistent one with
+                      # this recipe's quantizing store of a (gemm.FC1_VALUES_KERNEL; the default before run 36;
+                      # the unfused FC1 is a plain GEMM, routed as above)
+                      "mxfp8_fused_fc1_mx_kernel": _fused_under("mxfp8", gemm=dict(FC1_VALUES_KERNEL="mx"))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

@@ -86,12 +86,13 @@ MLP_CASES = [
     ("gptoss-ptr-hybrid-mxplain", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
      "HYBRID"),
     ("padded-swiglu-mxplain", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
-    # FC1 on BF16 values on the BF16 backend's persistent kernel with this recipe's quantizing store of a
-    # (gemm.FC1_VALUES_KERNEL = "bf16"), TMA and pointer loads, gated and not, h in FP32 and BF16
-    ("swiglu-empty-pad-sepdglu-fc1bf16", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
-    ("gptoss-ptr-hybrid-hbf16-fc1bf16", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (),
+    # FC1 on BF16 values on this recipe's kernel (gemm.FC1_VALUES_KERNEL = "mx"; the other cases run it on the
+    # BF16 backend's persistent kernel with this recipe's quantizing store of a), TMA and pointer loads, gated
+    # and not, h in FP32 and BF16
+    ("swiglu-empty-pad-sepdglu-fc1mx", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    ("gptoss-ptr-hybrid-hbf16-fc1mx", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (),
      "HYBRID"),
-    ("srelu-frozenw2-fc1bf16", 260, 128, 128, 2, "srelu", False, True, "balanced", 0, True, True, ("w2",), "E4M3"),
+    ("srelu-frozenw2-fc1mx", 260, 128, 128, 2, "srelu", False, True, "balanced", 0, True, True, ("w2",), "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),

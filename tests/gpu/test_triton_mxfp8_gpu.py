@@ -152,11 +152,11 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     # run them on the BF16 backend's persistent kernel)
     ("swiglu-balanced-sepdglu-mxplain", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (),
      "E4M3"),
-    # FC1 on the BF16 backend's persistent kernel with this recipe's quantizing store of a
-    # (gemm.FC1_VALUES_KERNEL = "bf16"), h in FP32 and BF16
-    ("swiglu-balanced-sepdglu-fc1bf16", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (),
+    # FC1 on BF16 values on this recipe's kernel (gemm.FC1_VALUES_KERNEL = "mx"; the other cases run it on the
+    # BF16 backend's persistent kernel with this recipe's quantizing store of a), h in FP32 and BF16
+    ("swiglu-balanced-sepdglu-fc1mx", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (),
      "E4M3"),
-    ("swiglu-zipf-hbf16-hybrid-fc1bf16", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (),
+    ("swiglu-zipf-hbf16-hybrid-fc1mx", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (),
      "HYBRID"),
     # the quantize passes and epilogues writing codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
     ("swiglu-zipf-hybrid-bf16w-codes", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),

@@ -28,6 +28,10 @@ Modes (``MODE``), as in ``fp8_block.gemm``:
   2F: FC1 dgrad) and columnwise (w1's wgrad); ``dprob`` partial row sums of ``da * act(h)`` (one
   per N tile) and, with ``WRITE_DBIAS``, per-tile column sums of the FP32 ``dh`` (``db1``).
 
+Where both operands are BF16 values, the plain GEMMs and FC1 run on the BF16 backend's persistent kernel
+instead (``PLAIN_VALUES_KERNEL``, ``FC1_VALUES_KERNEL``), FC1 with this module's quantizing store of ``a``
+(:func:`store_mx_activation`) as that kernel's store: the same bytes, faster host kernel.
+
 The quantizing modes need ``BM = 128``, ``BN`` 64 or 128 and tiles that start at each expert's first row (the
 schedule with ``block_m = 128``): a tile's rows then hold four whole 32-token blocks of one expert.
 Quantized outputs are bit-exact with :mod:`te_fused_moe.quantize.mxfp8` on the same FP32 values.
@@ -85,12 +89,15 @@ SEPARATE_DGLU_KERNEL = "chunks"
 # A launch given an explicit ``config`` runs this module's kernel with it.
 PLAIN_VALUES_KERNEL = "bf16"
 # The kernel of FC1 on BF16 values (x's values, w1's values) at an FFN size on the tile: "bf16" = the BF16
-# backend's persistent grouped GEMM (128 x (128 + 128) x 64 tiles, gate and up in one TMA box, 4 stages)
+# backend's persistent grouped GEMM (128 x (128 + 128) x 64 tiles, gate and up in one TMA box, 3 stages)
 # with its FC1 epilogue storing ``a`` through this module's quantizing store (:func:`store_mx_activation`);
-# "mx" = this module's kernel (one program per tile, 128 x (64 + 64) x 128, 3 stages). Run 36a, H100, DSv3
-# (scripts/probe_mx_fc1.py): this module's FC1 3.53 ms, the BF16 backend's FC1 writing ``a`` in BF16 2.92,
-# its GEMM alone 2.75. A launch given an explicit ``config`` runs this module's kernel with it.
-FC1_VALUES_KERNEL = "mx"
+# "mx" = this module's kernel (one program per tile, 128 x (64 + 64) x 128, 3 stages). The same bytes (h,
+# a's values, codes and scales). Run 36b, H100, DSv3 (scripts/probe_mx_fc1.py): 3.554 ms on this module's
+# kernel, 3.024 on the BF16 backend's at 3 stages (3.142 at its FC1 config's 4, 3.108 not flattened),
+# against 2.893 for the BF16 backend's FC1 writing ``a`` in BF16 and 2.837 for the GEMM alone; the MXFP8
+# MLP 19.17 -> 18.82 ms at 4 stages (1.24x -> 1.26x its unfused path, 23.69). A launch given an explicit
+# ``config`` runs this module's kernel with it.
+FC1_VALUES_KERNEL = "bf16"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
 # accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
@@ -479,25 +486,24 @@ def _fc1_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torc
                (rowwise, colwise, *spec.constexprs().values()))
     # h stands in for c: the kernel passes c to the store, which writes q instead
     return grouped_gemm.launch_scheduled("fc1", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, h, schedule,
-                                         num_experts, fc1_values_config(n, k, h.dtype), b_up_rows=n if gated else 0, h=h,
+                                         num_experts, fc1_values_config(n, k), b_up_rows=n if gated else 0, h=h,
                                          h_up_offset=h_up_offset, bias=bias, bias_up_offset=bias_up_offset,
                                          probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
                                          a_store=a_store)
 
 
-def fc1_values_config(n: int, k: int, h_dtype: torch.dtype):
-    """The BF16 backend's FC1 config at this recipe's 128-row tiles and TMA switch; 3 stages where h is
-    FP32 (4 need 262 KB of shared memory, offline sm_90a build). Under the interpreter 64 + 64 columns
-    (the interpreter's MXFP8 FC1 tile) at this module's K step, so that its sums run in the order of this
-    module's kernel (as :func:`plain_values_config`)."""
+def fc1_values_config(n: int, k: int):
+    """The BF16 backend's FC1 config at this recipe's 128-row tiles and TMA switch, at 3 stages: faster
+    than its 4 with this store of ``a`` (run 36b: 3.024 against 3.142 ms at DSv3, H100), and what fits
+    where h is FP32 (4 need 262 KB of shared memory, offline sm_90a build; 3, 213 KB). Under the
+    interpreter 64 + 64 columns (the interpreter's MXFP8 FC1 tile) at this module's K step, so that its sums
+    run in the order of this module's kernel (as :func:`plain_values_config`)."""
     from .. import grouped_gemm
 
     cfg = replace(grouped_gemm.default_config("fc1", n, k), block_m=TILE, use_tma=USE_TMA_DEFAULT)
     if interpreting():
         return replace(cfg, block_n=64, block_k=EXPAND_BLOCK_K)
-    if h_dtype == torch.float32:
-        return replace(cfg, num_stages=3)
-    return cfg
+    return replace(cfg, num_stages=3)
 
 
 def plain_values_config(n: int, k: int, out_dtype: torch.dtype):
