@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, to_output
 from ..block_scaled_launch import GEMM_MODES, MODE_DACT, operand_sources, or_dummy, tma_allowed
-from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting
+from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting, store_activation
 from ..padded import padded_size
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import DEQUANT_FACTOR, e2m1_expand_halves
@@ -179,14 +179,16 @@ def nv_grouped_gemm_kernel(
         tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(acc, c_ptr.dtype.element_ty, UPCAST),
                  mask=row_ok[:, None] & col_ok[None, :])
     elif MODE == 1:
+        # a in the output dtype (grouped_gemm.store_activation), quantized by a pass after this GEMM
         if GATED:
             fc1_epilogue(acc, acc_up * factor, rows64, row_ok, cols, col_ok, bias_mask,
                          bias_ptr + expert * stride_bias_e, bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr,
-                         stride_cm, probs_ptr, is_padding, alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST)
+                         stride_cm, probs_ptr, is_padding, pid_m, (), alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS,
+                         UPCAST, store_activation, ())
         else:
             fc1_epilogue(acc, acc, rows64, row_ok, cols, col_ok, bias_mask, bias_ptr + expert * stride_bias_e,
                          bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding,
-                         alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST)
+                         pid_m, (), alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST, store_activation, ())
     else:
         # acc = da, the gradient of act(h) * p; dh is written for padding rows too (as zeros: da = 0)
         if HAS_PROBS:
