@@ -621,6 +621,8 @@ def sm90_build_report() -> dict:
     """Compile every MXFP8 kernel variant the backend launches by default for sm_90a with the Triton
     wheel's ptxas (no GPU): per kernel the FP8 wgmma instructions (QGMMA) in its SASS, its stack
     (spill) bytes, and the spill loads/stores inside its K loop. Needs TRITON_INTERPRET unset."""
+    import dataclasses
+
     from sm90_build import build_sm90 as build
 
     from te_fused_moe.backends.triton.act_math import ACT_IDS
@@ -684,11 +686,12 @@ def sm90_build_report() -> dict:
                                   ROWWISE=True, COLWISE=True, **spec, BM=128, BK=D.COLS, PART=cfg.block_n,
                                   UNROLL=D.UNROLL),
                              D.WARPS, 1, D.MAXNREG)
-    for values in (False, True):
-        wcfg = W.default_config(values)
-        bt = 128 if wcfg.expand_bf16 else 32
+    # (and the BF16-valued wgrad at 64 tokens a step, W.MXWgradConfig.block_t: two programs per SM)
+    for values, block_t in ((False, None), (True, None), (True, 64)):
+        wcfg = dataclasses.replace(W.default_config(values), block_t=block_t)
+        bt = block_t or (128 if wcfg.expand_bf16 else 32)
         g_dt, x_dt = ("bf16", "bf16") if values else ("fp8e5", "fp8e4nv")
-        report["wgrad_values" if values else "wgrad"] = build(
+        report[("wgrad_values" if values else "wgrad") + (f"_t{block_t}" if block_t else "")] = build(
             W.mx_wgrad_kernel, dict(g_src=f"tensordesc<{g_dt}[{wcfg.block_n}, {bt}]>",
                                     x_src=f"tensordesc<{x_dt}[{wcfg.block_k}, {bt}]>", gs_ptr="*u8", xs_ptr="*u8",
                                     dw_ptr="*bf16", sched_ptr="*i32"),
@@ -752,6 +755,10 @@ def _worker() -> None:
             epilogue=dict(epilogue="separate", block_n=128, split_epilogue=False)),
         "exact_separate_dglu_bf16_h": check_kernels_exact("cpu", seed=9, H=512, h_dtype=torch.bfloat16,
                                                           epilogue=dict(epilogue="separate")),
+        # the BF16-valued wgrad at a part of a tile slot per step (wgrad.MXWgradConfig.block_t), TMA and pointers
+        "exact_values_wgrad_t64": check_kernels_exact("cpu", seed=15, values=True, wgrad=dict(block_t=64)),
+        "exact_values_ptr_wgrad_t32": check_kernels_exact("cpu", seed=16, use_tma=False, T=200, H=128, values=True,
+                                                          wgrad=dict(block_t=32)),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("mxfp8", "cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -829,7 +836,7 @@ def assert_weight_reads(r: dict) -> None:
                                  "exact_written_values", "exact_written_values_ptr_e5m2_separate_dglu",
                                  "exact_separate_dglu", "exact_written_values_separate_dglu_chunks",
                                  "exact_separate_dglu_gemm_kernel", "exact_separate_dglu_chunks_bn128",
-                                 "exact_separate_dglu_bf16_h"])
+                                 "exact_separate_dglu_bf16_h", "exact_values_wgrad_t64", "exact_values_ptr_wgrad_t32"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered
@@ -895,7 +902,7 @@ def test_supports_names_the_recipe_subset():
 def test_recipe_and_kernel_arguments_are_validated():
     """Errors name the argument and what was expected (no kernel runs: these are host checks)."""
     from te_fused_moe.backends.triton.mxfp8 import gemm
-    from te_fused_moe.backends.triton.mxfp8.quantize import MXSpec, quantize_rows, quantize_weight
+    from te_fused_moe.backends.triton.mxfp8.quantize import MXRows, MXSpec, quantize_rows, quantize_weight
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
     with pytest.raises(ValueError, match="fp8_format must be Format.E4M3 or Format.HYBRID"):
@@ -924,6 +931,17 @@ def test_recipe_and_kernel_arguments_are_validated():
         gemm.launch("fc2", torch.zeros(128, 256, dtype=torch.bfloat16), None,
                     torch.zeros(1, 128, 256, dtype=torch.bfloat16), None, 128, sched, 1, spec,
                     c=torch.empty(128, 128), config=gemm.MXGemmConfig(expand_bf16=True, block_k=48))
+    # the wgrad's tokens per step (MXWgradConfig.block_t) likewise: FP8 copies carry 32-token scales per slot
+    from te_fused_moe.backends.triton.mxfp8.wgrad import MXWgradConfig, mx_grouped_wgrad
+
+    cols = MXRows(data_t=torch.zeros(128, 128, dtype=torch.float8_e4m3fn), scale_t=torch.zeros(4, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="config: block_t=64 needs both operands as BF16 values and one of 32, 64, 128"):
+        mx_grouped_wgrad(cols, cols, sched, torch.empty(1, 128, 128),
+                         config=MXWgradConfig(expand_bf16=True, block_t=64))
+    values = MXRows(data_t=torch.zeros(128, 128, dtype=torch.bfloat16), scale_t=torch.zeros(4, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="config: block_t=48 needs both operands as BF16 values and one of"):
+        mx_grouped_wgrad(values, values, sched, torch.empty(1, 128, 128),
+                         config=MXWgradConfig(expand_bf16=True, block_t=48))
 
 
 def test_shape_check_names_w1_and_w2():

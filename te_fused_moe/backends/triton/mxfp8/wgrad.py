@@ -36,6 +36,11 @@ class MXWgradConfig:
     num_warps: int = 8
     num_stages: int = 4
     expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see gemm.expand_bf16)
+    # tokens per step with both operands BF16 values (no scales read): None = a tile slot (128). At DSv3 each
+    # expert's 1024 tokens are 8 steps of 128, so the pipeline's fill and the tile's store weigh on every
+    # program; 64 halves a stage (3 stages in 96 KB: two programs per SM). Not yet timed on a GPU
+    # (scripts/probe_mx_wgrad.py).
+    block_t: Optional[int] = None
 
 
 def default_config(bf16_operands: bool = False) -> MXWgradConfig:
@@ -83,17 +88,18 @@ def mx_wgrad_kernel(
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     if EXPAND:
         # BT = TILE_M: one tile slot (four 32-token blocks) per step, expanded exactly to BF16, one
-        # BF16 wgmma into the loop-carried accumulator. Blocks past the expert's end hold zeros;
-        # their scales are read as 1.0 so that nothing else in the slot can matter.
+        # BF16 wgmma into the loop-carried accumulator (BF16 values: BT may be a part of a slot). Blocks
+        # past the expert's end hold zeros; their scales are read as 1.0 so that nothing else in the slot
+        # can matter. The expert's slots are consecutive: its tokens run on from its first slot's first.
         rows_total = row_end - row_start
         for t in range(0, tl.cdiv(rows_total, BT)):
-            slot = tile_start + t
+            tok = tile_start * TILE_M + t * BT
             if USE_TMA:
-                g = g_src.load([pid_n * BN, slot * BT])
-                x = x_src.load([pid_k * BK, slot * BT])
+                g = g_src.load([pid_n * BN, tok])
+                x = x_src.load([pid_k * BK, tok])
             else:
-                g = tl.load(g_ptrs + slot * BT)
-                x = tl.load(x_ptrs + slot * BT)
+                g = tl.load(g_ptrs + tok)
+                x = tl.load(x_ptrs + tok)
             if BF16:  # values expanded before the GEMM (zeros past the expert's end, like the codes)
                 if UPCAST:
                     g = g.to(tl.float32)
@@ -102,7 +108,7 @@ def mx_wgrad_kernel(
             else:
                 sub = tl.arange(0, BT // MX_BLOCK)
                 valid = (t * BT + sub * MX_BLOCK < rows_total)[None, :]
-                blk = slot * (BT // MX_BLOCK) + sub
+                blk = tok // MX_BLOCK + sub
                 gs = tl.where(valid, tl.load(gs_ptr + blk[None, :] * stride_gsb + n_in[:, None]), 127)
                 xs = tl.where(valid, tl.load(xs_ptr + blk[None, :] * stride_xsb + k_in[:, None]), 127)
                 acc = tl.dot(expand_bf16(g, gs, BN, BT, UPCAST), tl.trans(expand_bf16(x, xs, BK, BT, UPCAST)), acc)
@@ -137,6 +143,11 @@ def mx_grouped_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, dw: torch.Ten
     if bf16 and not cfg.expand_bf16:
         raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
     block_t = TILE if cfg.expand_bf16 else MX  # tokens per step
+    if cfg.block_t is not None:
+        if not bf16 or cfg.block_t not in (32, 64, TILE):
+            raise ValueError(f"config: block_t={cfg.block_t} needs both operands as BF16 values and one of 32, 64, "
+                             f"{TILE} (a part of a tile slot)")
+        block_t = cfg.block_t
     grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(k, cfg.block_k), num_experts)
     use_tma, operands = wgrad_operands(g, x, dw, cfg.block_n, cfg.block_k, block_t, mx_gemm.USE_TMA_DEFAULT)
     mx_wgrad_kernel[grid](
