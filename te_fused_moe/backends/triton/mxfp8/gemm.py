@@ -493,35 +493,35 @@ def _fc1_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torc
 
 
 def fc1_values_config(n: int, k: int):
-    """The BF16 backend's FC1 config at this recipe's 128-row tiles and TMA switch, at 3 stages: faster
-    than its 4 with this store of ``a`` (run 36b: 3.024 against 3.142 ms at DSv3, H100), and what fits
-    where h is FP32 (4 need 262 KB of shared memory, offline sm_90a build; 3, 213 KB). Under the
-    interpreter 64 + 64 columns (the interpreter's MXFP8 FC1 tile) at this module's K step, so that its sums
-    run in the order of this module's kernel (as :func:`plain_values_config`)."""
-    from .. import grouped_gemm
-
-    cfg = replace(grouped_gemm.default_config("fc1", n, k), block_m=TILE, use_tma=USE_TMA_DEFAULT)
-    if interpreting():
-        return replace(cfg, block_n=64, block_k=EXPAND_BLOCK_K)
-    return replace(cfg, num_stages=3)
+    """The BF16 backend's FC1 config (:func:`_bf16_kernel_config`) at 3 stages: faster than its 4 with this
+    store of ``a`` (run 36b: 3.024 against 3.142 ms at DSv3, H100), and what fits where h is FP32 (4 need
+    262 KB of shared memory, offline sm_90a build; 3, 213 KB). Under the interpreter 64 + 64 columns (the
+    interpreter's MXFP8 FC1 tile)."""
+    cfg = _bf16_kernel_config("fc1", n, k)
+    return replace(cfg, block_n=64) if interpreting() else replace(cfg, num_stages=3)
 
 
 def plain_values_config(n: int, k: int, out_dtype: torch.dtype):
     """The BF16 backend's config for a plain GEMM on BF16 values: its FC2 config (the fastest of those run
-    35a timed at all three GEMMs) at this recipe's 128-row tiles and TMA switch (the tests' pointer-load
-    cases). An FP32 output (da for the separate dGLU epilogue when h is FP32) takes 128-column tiles: its
-    128 x 256 tile staged for the store needs 128 KB of shared memory, 278 KB in all at 3 stages (run 36a:
-    the launch failed), against 192 KB at 128 x 128 x 64 with 4 stages."""
-    from .. import grouped_gemm
-
-    cfg = replace(grouped_gemm.default_config("fc2", n, k), block_m=TILE, use_tma=USE_TMA_DEFAULT)
-    if interpreting():
-        # the interpreter sums each K step's dot as one matmul: at this module's K step the sums run in
-        # the order of its kernel, as both kernels' wgmma chains do on the GPU (run 35a: bitwise equal)
-        return replace(cfg, block_k=EXPAND_BLOCK_K)
-    if out_dtype == torch.float32:
+    35a timed at all three GEMMs; :func:`_bf16_kernel_config`). An FP32 output (da for the separate dGLU
+    epilogue when h is FP32) takes 128-column tiles: its 128 x 256 tile staged for the store needs 128 KB
+    of shared memory, 278 KB in all at 3 stages (run 36a: the launch failed), against 192 KB at 128 x 128
+    x 64 with 4 stages."""
+    cfg = _bf16_kernel_config("fc2", n, k)
+    if out_dtype == torch.float32 and not interpreting():
         return replace(cfg, block_n=128, num_stages=4)
     return cfg
+
+
+def _bf16_kernel_config(kind: str, n: int, k: int):
+    """The BF16 backend's ``kind`` config at this recipe's 128-row tiles and TMA switch (the tests'
+    pointer-load cases). Under the interpreter at this module's K step: the interpreter sums each K step's
+    dot as one matmul, so the sums then run in the order of this module's kernel, as both kernels' wgmma
+    chains do on the GPU (run 35a: bitwise equal)."""
+    from .. import grouped_gemm
+
+    cfg = replace(grouped_gemm.default_config(kind, n, k), block_m=TILE, use_tma=USE_TMA_DEFAULT)
+    return replace(cfg, block_k=EXPAND_BLOCK_K) if interpreting() else cfg
 
 
 def fc1_covering(cfg: MXGemmConfig, n: int, bf16_operands: bool) -> MXGemmConfig:
