@@ -43,12 +43,11 @@ def run() -> dict:
         g_rows = torch.randn(ROUTED, n, device="cuda", dtype=torch.bfloat16)
         x_rows = torch.randn(ROUTED, k, device="cuda", dtype=torch.bfloat16)
         # the columnwise copies' layout: each 128-token tile in its slot, balanced experts fill theirs whole
-        slots = Q.new_transposed(n, ROUTED, EXPERTS, g_rows, torch.bfloat16, torch.zeros).shape[1]
-        g_t = torch.zeros(n, slots, device="cuda", dtype=torch.bfloat16)
-        x_t = torch.zeros(k, slots, device="cuda", dtype=torch.bfloat16)
-        g_t[:, :ROUTED], x_t[:, :ROUTED] = g_rows.t(), x_rows.t()
-        g = Q.MXRows(data_t=g_t, scale_t=torch.zeros(slots // 32, n, device="cuda", dtype=torch.uint8))
-        x = Q.MXRows(data_t=x_t, scale_t=torch.zeros(slots // 32, k, device="cuda", dtype=torch.uint8))
+        g = Q.MXRows(data_t=Q.new_transposed(n, ROUTED, EXPERTS, g_rows, torch.bfloat16, torch.zeros),
+                     scale_t=Q.new_col_scales(n, ROUTED, EXPERTS, g_rows, torch.zeros))
+        x = Q.MXRows(data_t=Q.new_transposed(k, ROUTED, EXPERTS, x_rows, torch.bfloat16, torch.zeros),
+                     scale_t=Q.new_col_scales(k, ROUTED, EXPERTS, x_rows, torch.zeros))
+        g.data_t[:, :ROUTED], x.data_t[:, :ROUTED] = g_rows.t(), x_rows.t()
         flops = 2.0 * ROUTED * n * k
         entry = {}
 

@@ -33,6 +33,9 @@ consumers reading constants):
 - ``ring_fence_only``: as ``ring_no_copies`` plus the proxy fence before the stage's refill;
 - ``ring_rows_copy_no_fence``: the row scales' copy alone, without that fence.
 
+Run 36a (H100): ``ring_no_copies`` and ``ring_fence_only`` run, ``ring_rows_copy_no_fence`` dies: the TMA
+copy of the scales itself faults.
+
 At K = 512 (RING_DEBUG_KS: a comma list). A measurement tool, not a test: prints and saves each
 variant's exit code, its last stderr line and whether its output matched ``loads``.
 
@@ -58,7 +61,7 @@ VARIANTS = ["loads", "ring", "ring_no_smem_reads", "ring_rows_only", "ring_scala
             "ring_scalar_box128", "ring_rows_copy_only", "ring_scalar_copy_only", "ring_scalar_copy_first",
             "ring_rows_copied_twice", "ring_no_copies", "ring_fence_only", "ring_rows_copy_no_fence"]
 COPY_VARIANTS = VARIANTS[7:]
-# the variants the parent runs (RING_DEBUG_VARIANTS: a comma list; run 35b: the controls and the last three)
+# the variants the parent runs (RING_DEBUG_VARIANTS: a comma list; run 36a: the controls and the last three)
 RUN = os.environ.get("RING_DEBUG_VARIANTS", ",".join(["loads", "ring"] + VARIANTS[11:])).split(",")
 KS = [int(k) for k in os.environ.get("RING_DEBUG_KS", "512").split(",")]  # K values the parent runs
 COUNTS = [0, 0, 0, 130, 1, 0, 0, 0, 0, 128, 300, 0, 1, 257, 0, 0]
