@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_wgrad_probe] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -31,8 +31,10 @@
 # pytest -k selection of them (run 36 split the file over four calls with it). mx_wgrad_probe: MXFP8's two
 # BF16-valued wgrads at DSv3 at the shipped config and fewer tokens per step (MXWgradConfig.block_t), against
 # the BF16 backend's wgrad and cuBLAS (scripts/probe_mx_wgrad.py).
-# mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config
-# (scripts/probe_mx_dglu.py). ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
+# mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
+# fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
+# mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the dGLU on the BF16 backend's kernel (gemm.DGLU_VALUES_KERNEL)
+# and separate, and unfused, interleaved rounds, no kernel table. ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
 # weight scales' width), then at K = 512 under compute-sanitizer's memcheck where the image has it.
 # ring_bisect: RING_SCALES' plain GEMM in a process per variant (the consumers' shared-memory reads of the scales
 # swapped for constants, one or both; the scalar's descriptor over another tensor or with a wider box;
@@ -131,6 +133,9 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
     mx_fc1_bench) step recipes_mxfp8_fc1 "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
                     bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_fc1_mx_kernel --out "$OUT/recipes_mxfp8_fc1";;
+    mx_dglu_bench) step recipes_mxfp8_dglu "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
+                    --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
+                    bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_separate_dglu --out "$OUT/recipes_mxfp8_dglu";;
     mx_wgrad_probe) step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad";;
     mx_fc1_probe) step probe_mx_fc1 "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_fc1.py --out "$OUT/probe_mx_fc1";;
     mx_dglu_probe) step probe_mx_dglu "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_dglu.py --out "$OUT/probe_mx_dglu";;

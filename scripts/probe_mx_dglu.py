@@ -5,6 +5,10 @@ kernel (``"chunks"``, ``dglu_epilogue``, the default since run 34) at a few laun
 (``dglu_epilogue.COLS`` / ``WARPS`` / ``UNROLL``). A measurement tool, not a test: both kernels' bytes are
 checked by the MXFP8 tests.
 
+Then the dGLU fused on the BF16 backend's persistent kernel with MXFP8's quantizing store of dh
+(``gemm.DGLU_VALUES_KERNEL = "bf16"``, the default config's route) at its shipped config and a few changes of
+it (``gemm.dglu_values_config``), and that kernel's own dGLU writing dh in BF16 (no quantize) for scale.
+
 Why: run 33d measured the MLP 0.57 ms slower with the chunked epilogue than with the GEMM kernel's,
 though its offline build has 40% fewer instructions per element; run 34 timed the epilogues alone (the
 whole minus the GEMM) and found the launch that pays (``dglu_epilogue``'s comment).
@@ -14,19 +18,26 @@ whole minus the GEMM) and found the launch that pays (``dglu_epilogue``'s commen
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mx_probe_problem import EXPERTS, FFN, HIDDEN, ROUTED, balanced_problem
 from probe_results import run_and_save
 
 # (columns per program, warps, unroll factor of the loop over a tile's chunks, register cap): run 34 timed 64 /
 # 128 columns at 4 / 8 warps, unrolled (4) and not (1); run 36a the 4-warp launch capped at 168 / 128 registers
-# (0.697 / 0.613 ms against 0.666) and 2 warps (0.559, shipped since). These: the shipped launch first, the run
-# 34 launch, and 2 warps with 128 columns, unrolled, or capped at 128 registers
-CHUNK_CONFIGS = [(64, 2, 1, None), (64, 4, 1, None), (128, 2, 1, None), (64, 2, 2, None), (64, 2, 1, 128)]
+# (0.697 / 0.613 ms against 0.666) and 2 warps (0.559, shipped since). These: the shipped launch, and 128
+# columns (the width where the dGLU's tiles are 128 wide)
+CHUNK_CONFIGS = [(64, 2, 1, None), (128, 2, 1, None)]
+# changes of the route's config (128 x 128 x 64, 4 stages, persistent, flattened): offline (sm_90a) the
+# shipped one builds to 255 registers with ~1 KB of stack, the quantizing store in the flattened loop
+ROUTE_VARIANTS = {"shipped": {}, "stages3": dict(num_stages=3), "not_flattened": dict(flatten=False),
+                  "one_program_per_tile": dict(persistent=False), "group_m16": dict(group_m=16)}
 
 
 def run() -> dict:
     import torch
 
+    from te_fused_moe.backends.triton import grouped_gemm
     from te_fused_moe.backends.triton.mxfp8 import dglu_epilogue, gemm, quantize as Q
     from te_fused_moe.backends.triton.schedule import max_m_tiles
     from te_fused_moe.bench import do_bench_ms
@@ -36,12 +47,14 @@ def run() -> dict:
     w2t = torch.randn(EXPERTS, FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02  # w2's transposed copy
     h = torch.randn(ROUTED, 2 * FFN, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(ROUTED, device="cuda")
-    cfg = gemm.default_config("dact", True)
-    dprob = torch.empty(FFN // cfg.block_n, ROUTED, device="cuda")
+    route = gemm.default_config("dact", True)
+    # the separate dGLU at its config before the route (64-column tiles: the dprob partials' width)
+    separate = replace(route, bf16_kernel=False, block_n=64, num_stages=4)
     dbias = torch.empty(max_m_tiles(ROUTED, EXPERTS, Q.TILE), 2 * FFN, device="cuda")
 
-    def dglu():
+    def dglu(cfg=separate):
         dh = Q.new_rows(ROUTED, 2 * FFN, h, spec, EXPERTS, True, True, row_values=True, col_values=True)
+        dprob = torch.empty(FFN // cfg.block_n, ROUTED, device="cuda")
         gemm.launch("dact", dy, a_scale, w2t, b_scale, FFN, sched, EXPERTS, spec, q=dh, q_up_offset=FFN, h=h,
                     h_up_offset=FFN, probs=probs, dprob=dprob, dbias=dbias, activation="swiglu", gated=True,
                     config=cfg)
@@ -63,6 +76,22 @@ def run() -> dict:
     finally:
         (gemm.DACT_EPILOGUE, gemm.SEPARATE_DGLU_KERNEL, dglu_epilogue.COLS, dglu_epilogue.WARPS,
          dglu_epilogue.UNROLL, dglu_epilogue.MAXNREG) = shipped
+    shipped_config = gemm.dglu_values_config
+    try:
+        for name, change in ROUTE_VARIANTS.items():
+            gemm.dglu_values_config = lambda n, k, block_n: replace(shipped_config(n, k, block_n), **change)
+            ms = do_bench_ms(lambda: dglu(route))
+            out[f"bf16_kernel_{name}"] = {"ms": round(ms, 4), "epilogue_ms": round(ms - gemm_ms, 4)}
+    finally:
+        gemm.dglu_values_config = shipped_config
+    # the BF16 backend's own dGLU, dh in BF16 (its default store), at the route's config
+    dh16 = torch.empty(ROUTED, 2 * FFN, device="cuda", dtype=torch.bfloat16)
+    dprob = torch.empty(FFN // route.block_n, ROUTED, device="cuda")
+    ms = do_bench_ms(lambda: grouped_gemm.launch_scheduled(
+        "dact", dy, w2t, (w2t.stride(0), w2t.stride(2), w2t.stride(1)), FFN, HIDDEN, dh16, sched, EXPERTS,
+        gemm.dglu_values_config(FFN, HIDDEN, route.block_n), c_up_offset=FFN, h=h, h_up_offset=FFN, probs=probs,
+        dprob=dprob, activation="swiglu", gated=True))
+    out["bf16_backend_dglu_bf16_dh"] = {"ms": round(ms, 4), "epilogue_ms": round(ms - gemm_ms, 4)}
     return out
 
 

@@ -20,6 +20,13 @@ poisoned buffers: h against FP64, ``a``'s values against FP64 act(h) * p within 
 element written, zeros on the padding rows, and the same bytes from both kernels (h, ``a``'s codes,
 values and scales).
 
+The dGLU on BF16 values (``mxfp8.gemm.DGLU_VALUES_KERNEL``: ``"bf16"`` = fused on the BF16 backend's kernel with
+MXFP8's quantizing store of dh, taken by the dGLU's default config), gated with both copies of dh, db1 and
+dprob, and not gated with the rowwise copy alone, into poisoned buffers: dh's values against the FP64 dGLU
+of the FP64 product within E4M3's rounding, dprob against FP64, every element written, zeros on the padding
+rows, and the same bytes as MXFP8's own kernel running the dGLU as one kernel from the same FP32 sums (dh's
+codes, values and scales, the dprob partials, db1's per-tile sums).
+
 And offline (sm_90a builds, no GPU): the routed kernels at the configs they are given fit the GPU's shared
 memory for every output dtype they write (run 36a: an FP32 da at 128 x 256 tiles needed 278-328 KB).
 """
@@ -35,6 +42,10 @@ from moe_reference import run_in_triton_interpreter
 pytest.importorskip("triton", reason="the Triton backend's CPU tests need the triton package (pip install triton)")
 
 COUNTS = [70, 0, 131, 40]  # an empty expert; tiles end inside experts
+# the types of ``copies_arguments``' run (the quantizing stores' first nine arguments): a's rowwise copy as values
+# and its columnwise copy as codes, as the fused path writes them; dh's both as values
+A_COPIES_ARGS = ("*bf16", "i32", "*u8", "i32", "i32", "*u8", "i32", "*u8", "i32")
+DH_COPIES_ARGS = ("*bf16", "i32", "*u8", "i32", "i32", "*bf16", "i32", "*u8", "i32")
 PADDING, K, N, B_ROWS = 9, 256, 160, 256
 
 
@@ -142,15 +153,30 @@ def sm90_build_report() -> dict:
         types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                      b_src=f"tensordesc<bf16[2, {cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
                      bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32",
-                     limit="fp32", a_store_args=("*bf16", "i32", "*u8", "i32", "i32", "*u8", "i32", "*u8", "i32"))
+                     limit="fp32", epi_store_args=A_COPIES_ARGS)
         consts = dict(MODE=grouped_gemm.MODE_ACT_FWD, ACT=ACT_IDS["swiglu"], GATED=True, HAS_BIAS=True,
                       HAS_PROBS=True, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True, EVEN_N=True, N_VEC8=True,
                       USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=False, UPCAST=False, PERSISTENT=cfg.persistent,
-                      FLATTEN=cfg.flatten, GATE_UP_BOX=cfg.gate_up_box, A_STORE=gemm.store_mx_activation,
-                      A_STORE_CONSTS=(True, True, *spec.constexprs().values()), BM=cfg.block_m, BN=cfg.block_n,
+                      FLATTEN=cfg.flatten, GATE_UP_BOX=cfg.gate_up_box, EPI_STORE=gemm.store_mx_activation,
+                      EPI_STORE_CONSTS=(True, True, *spec.constexprs().values()), BM=cfg.block_m, BN=cfg.block_n,
                       BK=cfg.block_k, GROUP_M=cfg.group_m)
         report[f"fc1_h_{h_type[1:]}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts, cfg.num_warps,
                                                    cfg.num_stages)
+    # the dGLU with MXFP8's store of dh (both copies, values; db1 sums), h in BF16 and FP32, at its default config
+    cfg = gemm.dglu_values_config(2048, 7168, gemm.default_config("dact", True).block_n)
+    for h_type in ("*bf16", "*fp32"):
+        types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
+                     b_src=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
+                     bias_ptr=h_type, probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32",
+                     limit="fp32", epi_store_args=DH_COPIES_ARGS + ("i32", "*fp32", "i32"))
+        consts = dict(MODE=grouped_gemm.MODE_ACT_BWD, ACT=ACT_IDS["swiglu"], GATED=True, HAS_BIAS=False,
+                      HAS_PROBS=True, WRITE_DPROB=True, DPROB_PARTIALS=True, EVEN_K=True, EVEN_N=True, N_VEC8=True,
+                      USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=True, UPCAST=False, PERSISTENT=cfg.persistent,
+                      FLATTEN=cfg.flatten, GATE_UP_BOX=False, EPI_STORE=gemm.store_mx_gate_up_grads,
+                      EPI_STORE_CONSTS=(True, True, *spec.constexprs().values(), True), BM=cfg.block_m,
+                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
+        report[f"dglu_h_{h_type[1:]}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts, cfg.num_warps,
+                                                    cfg.num_stages)
     return report
 
 
@@ -160,11 +186,11 @@ def test_routed_kernels_fit_shared_memory_for_every_output_dtype():
     if not have_tools():
         pytest.skip(f"the Triton wheel has no NVIDIA tools in {tools_dir()}: cannot build for sm_90a offline")
     report = report_in_subprocess("test_mxfp8_on_bf16_kernel")
-    assert len(report) == 6, report
+    assert len(report) == 8, report
     for name, r in report.items():
         assert r["shared"] <= 227 * 1024, (name, r)  # the sm_90 limit: else the launch fails on the GPU
         assert r["hgmma"] > 0 and r["loop_found"], (name, r)
-        if not name.startswith("fc1"):  # FC1's flattened loop holds its quantizing epilogue, which spills
+        if not name.startswith(("fc1", "dglu")):  # their flattened loops hold the quantizing stores, which spill
             assert r["loop_spills"] == 0 and r["stack"] == 0, (name, r)
 
 
@@ -274,3 +300,97 @@ def test_both_kernels_match_fp64_and_write_every_element(results, kernel):
 
 def test_both_kernels_sum_in_the_same_order(results):
     assert results["bitwise_equal"], results
+
+
+# dGLU cases: (activation, gated, copies of dh written: rowwise, colwise, db1)
+DGLU_CASES = {"swiglu-both-copies-db1": ("swiglu", True, True, True, True),
+              "srelu-rowwise-only": ("srelu", False, True, False, False)}
+
+
+def _dglu_worker():
+    """The dGLU on BF16 values on the BF16 backend's kernel (its default config) and on MXFP8's kernel as one
+    kernel (``epilogue="fused"``), from the same random inputs into poisoned buffers: dh's copies, the dprob
+    partials and db1's per-tile sums compared bytewise, unwritten elements counted, dh's rowwise values
+    against the FP64 dGLU of the FP64 product, dprob against FP64."""
+    import dataclasses
+    import json
+
+    import torch
+    from block_scaled_checks import poison_alloc, unwritten
+
+    from te_fused_moe.activations import get_activation
+    from te_fused_moe.backends.triton import grouped_gemm
+    from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+
+    calls, g = _count_routed_launches(grouped_gemm), _fresh_generator()
+    counts = torch.tensor(COUNTS, dtype=torch.int32)
+    routed, experts, ffn = sum(COUNTS), len(COUNTS), 128
+    rows = routed + PADDING
+    sched = build_schedule(counts, rows, Q.TILE)
+    tiles = int(sched[len(COUNTS)])  # the padding group's first tile: the experts' tiles before it
+    m_tiles = max_m_tiles(rows, experts, Q.TILE)
+    no_scale_a, no_scale_b = torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1, 1, dtype=torch.uint8)
+    route = gemm.default_config("dact", True)
+    report = {"shipped": gemm.DGLU_VALUES_KERNEL, "default_takes_route": route.bf16_kernel}
+    starts = [0] + counts.cumsum(0).tolist()
+    for case, (activation, gated, rowwise, colwise, db1) in DGLU_CASES.items():
+        width = 2 * ffn if gated else ffn
+        dy = torch.randn(rows, K, generator=g).bfloat16()
+        w2t = (torch.randn(experts, ffn, K, generator=g) * 0.1).bfloat16()  # B_e [N, K]: w2's transposed copy
+        h = torch.randn(rows, width, generator=g).bfloat16()
+        h[routed:] = 0  # as FC1 leaves the padding rows
+        probs = torch.rand(rows, generator=g)
+        da64 = torch.cat([dy[first:end].double() @ w2t[e].T.double()
+                          for e, (first, end) in enumerate(zip(starts, starts[1:]))])
+        spec = get_activation(activation)
+        dh64 = spec.backward(h[:routed].double(), da64 * probs[:routed, None].double())
+        dprob64 = (da64 * spec.forward(h[:routed].double())).sum(1)
+        runs = {}
+        for kernel, cfg in (("bf16", route), ("mx", dataclasses.replace(route, bf16_kernel=False, epilogue="fused"))):
+            before = len(calls)
+            q = Q.new_rows(rows, width, h, Q.MXSpec(), experts, rowwise, colwise, poison_alloc, row_values=True,
+                           col_values=True)
+            dprob = poison_alloc((ffn // cfg.block_n, rows), dtype=torch.float32)
+            dbias = poison_alloc((m_tiles, width), dtype=torch.float32) if db1 else None
+            gemm.launch("dact", dy, no_scale_a, w2t, no_scale_b, ffn, sched, experts, Q.MXSpec(), q=q,
+                        q_up_offset=ffn, h=h, h_up_offset=ffn, probs=probs, dprob=dprob, dbias=dbias,
+                        activation=activation, gated=gated, config=cfg)
+            outs = [q.data[:routed], q.scale[:routed], dprob[:, :routed]]
+            if colwise:  # the experts' tiles' slots (the padding group's tiles write zeros past routed)
+                outs += [q.data_t[:, :tiles * Q.TILE], q.scale_t[:tiles * (Q.TILE // 32)]]
+            if db1:
+                outs.append(dbias[:tiles])
+            runs[kernel] = outs
+            # E4M3's rounding (2^-4 of a value), plus its subnormals' spacing in a block scaled to 448
+            dh_far = int(((q.data[:routed].double() - dh64).abs() > 2.0**-4 * dh64.abs()
+                          + 2.0**-10 * dh64.abs().amax(dim=1, keepdim=True)).sum())
+            dprob_far = int(((dprob[:, :routed].double().sum(0) - dprob64).abs()
+                             > 1e-5 * (da64.abs() * spec.forward(h[:routed].double()).abs()).sum(1) + 1e-6).sum())
+            report[f"{case}_{kernel}"] = {"routed_calls": len(calls) - before, "dh_far": dh_far,
+                                          "dprob_far": dprob_far, "unwritten": sum(unwritten(t) for t in outs),
+                                          "padding_rows_nonzero": int((q.data[routed:] != 0).sum())}
+        report[f"{case}_bitwise_equal"] = all(
+            torch.equal(b.contiguous().view(torch.uint8), m.contiguous().view(torch.uint8))
+            for b, m in zip(runs["bf16"], runs["mx"]))
+    print("RESULTS" + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def dglu_results():
+    return run_in_triton_interpreter("import test_mxfp8_on_bf16_kernel as t; t._dglu_worker()")
+
+
+@pytest.mark.parametrize("case", list(DGLU_CASES))
+def test_dglu_on_both_kernels_matches_fp64_and_writes_every_element(dglu_results, case):
+    assert dglu_results["shipped"] == "bf16" and dglu_results["default_takes_route"], dglu_results
+    for kernel, calls in (("bf16", 1), ("mx", 0)):
+        r = dglu_results[f"{case}_{kernel}"]
+        assert r["routed_calls"] == calls, (kernel, r)
+        assert r["dh_far"] == 0 and r["dprob_far"] == 0 and r["unwritten"] == 0, (kernel, r)
+        assert r["padding_rows_nonzero"] == 0, (kernel, r)
+
+
+@pytest.mark.parametrize("case", list(DGLU_CASES))
+def test_dglu_on_both_kernels_writes_the_same_bytes(dglu_results, case):
+    assert dglu_results[f"{case}_bitwise_equal"], dglu_results

@@ -78,6 +78,10 @@ MLP_CASES = [
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
+    # the dGLU as one kernel of this recipe's (gemm.DACT_EPILOGUE = "fused"; the other cases on BF16 values run it
+    # on the BF16 backend's kernel, gemm.DGLU_VALUES_KERNEL), TMA and pointers, h in FP32 and BF16
+    ("swiglu-empty-pad-mxdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    ("gptoss-ptr-hbf16-mxdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (), "E4M3"),
     # ... on the GEMM kernel's epilogue (gemm.SEPARATE_DGLU_KERNEL = "gemm"; the default is the chunked kernel)
     ("swiglu-empty-pad-sepdglu-gemm", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # the plain GEMMs on BF16 values on this recipe's kernel (gemm.PLAIN_VALUES_KERNEL = "mx"; the other cases
@@ -432,7 +436,7 @@ def assert_values_in_pass(r: dict) -> None:
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
                         T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False,
                         h_dtype: torch.dtype = torch.float32, written_values: bool = False,
-                        dglu_kernel: str = None) -> dict:
+                        dglu_kernel: str = None, dglu=None) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
@@ -443,7 +447,8 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     ``written_values`` too, the quantize passes and epilogues writing those values themselves where the
     fused path's GEMMs of the same pass read them (``autograd.QUANTIZE_TO_VALUES``: x, a rowwise; dy, dh
     both ways). ``dglu_kernel``: the separate dGLU epilogue's kernel (``gemm.SEPARATE_DGLU_KERNEL``; None:
-    the shipped one).
+    the shipped one). ``dglu``: overrides of the dGLU's own default config (``gemm.default_config("dact")``:
+    on BF16 values the BF16 backend's kernel, ``gemm.DGLU_VALUES_KERNEL``); None: the dGLU runs FC1's config.
     ``h_dtype`` BF16: h is saved rounded (FC1, one kernel, acts on the FP32 sums); the dGLU reads
     that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too."""
     import dataclasses
@@ -490,10 +495,11 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
                 c=y, config=pcfg)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc, **both)
     dhq = new_rows(T, n1, h, spec, E, True, True, alloc=poison_alloc, **both)
-    dprob = poisoned(torch.empty(F // cfg.block_n, T, device=device))
+    dcfg = cfg if dglu is None else dataclasses.replace(gemm.default_config("dact", values), **dglu)
+    dprob = poisoned(torch.empty(F // dcfg.block_n, T, device=device))
     dbias = poisoned(torch.empty(tiles, n1, device=device))
     gemm.launch("dact", read(dyq.data, dyq.scale), dyq.scale, read(w2q.data_t, w2q.scale_t), w2q.scale_t, F, sched,
-                E, spec, q=dhq, h=h, probs=p, dprob=dprob, dbias=dbias, activation="srelu", gated=False, config=cfg)
+                E, spec, q=dhq, h=h, probs=p, dprob=dprob, dbias=dbias, activation="srelu", gated=False, config=dcfg)
     dx = poisoned(torch.empty(T, H, device=device, dtype=torch.bfloat16))
     gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read(w1q.data_t, w1q.scale_t), w1q.scale_t, H, sched,
                 E, spec, c=dx, config=pcfg)
@@ -520,7 +526,8 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     a32 = torch.relu(h_ref) ** 2 * probs[:, None]
     a32[routed:] = 0
     r = torch.relu(hc)  # the dGLU reads the saved h
-    if (epilogue or {}).get("epilogue") == "separate":
+    bad["dglu_on_bf16_kernel"] = int(dcfg.bf16_kernel and (dcfg.epilogue or gemm.DACT_EPILOGUE) == "auto")
+    if dcfg.epilogue == "separate":
         bad["da_rounded"] = int((da_ref != da_ref.to(h_dtype).float()).sum())  # values the rounding moved
         da_ref = da_ref.to(h_dtype).float()  # ...and its epilogue alone da in h's dtype
     dg32 = (da_ref * probs[:, None]) * 2.0 * r
@@ -586,7 +593,10 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
-    dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, "separate" if "-sepdglu" in case_id else "fused"
+    # the dGLU: the shipped "auto" (on BF16 values the BF16 backend's kernel, gemm.DGLU_VALUES_KERNEL; else one
+    # kernel under the interpreter), its GEMM + the epilogue alone, or this recipe's kernel as one
+    dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, ("separate" if "-sepdglu" in case_id else
+                                                    "fused" if "-mxdglu" in case_id else "auto")
     dglu_kernel = gemm.SEPARATE_DGLU_KERNEL
     gemm.SEPARATE_DGLU_KERNEL = "gemm" if case_id.endswith("-sepdglu-gemm") else dglu_kernel
     values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
@@ -759,6 +769,12 @@ def _worker() -> None:
         "exact_values_wgrad_t64": check_kernels_exact("cpu", seed=15, values=True, wgrad=dict(block_t=64)),
         "exact_values_ptr_wgrad_t32": check_kernels_exact("cpu", seed=16, use_tma=False, T=200, H=128, values=True,
                                                           wgrad=dict(block_t=32)),
+        # the dGLU on BF16 values at its own default config: fused on the BF16 backend's kernel with this
+        # recipe's quantizing store of dh (gemm.DGLU_VALUES_KERNEL), TMA and pointers, written values, h in BF16
+        "exact_values_dglu_bf16_kernel": check_kernels_exact("cpu", seed=17, values=True, dglu={}),
+        "exact_written_values_ptr_e5m2_dglu_bf16_kernel_bf16_h": check_kernels_exact(
+            "cpu", seed=18, use_tma=False, fmt="e5m2", T=200, H=128, values=True, written_values=True,
+            h_dtype=torch.bfloat16, dglu={}),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("mxfp8", "cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -836,7 +852,9 @@ def assert_weight_reads(r: dict) -> None:
                                  "exact_written_values", "exact_written_values_ptr_e5m2_separate_dglu",
                                  "exact_separate_dglu", "exact_written_values_separate_dglu_chunks",
                                  "exact_separate_dglu_gemm_kernel", "exact_separate_dglu_chunks_bn128",
-                                 "exact_separate_dglu_bf16_h", "exact_values_wgrad_t64", "exact_values_ptr_wgrad_t32"])
+                                 "exact_separate_dglu_bf16_h", "exact_values_wgrad_t64", "exact_values_ptr_wgrad_t32",
+                                 "exact_values_dglu_bf16_kernel",
+                                 "exact_written_values_ptr_e5m2_dglu_bf16_kernel_bf16_h"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered
@@ -845,8 +863,9 @@ def test_every_kernel_bit_exact_on_integer_data(results, key):
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
         assert bad[name] == 0, (name, bad)
     assert bad["written_values"] == (6 if "written_values" in key else 0), bad
-    if key.endswith("bf16_h"):  # the BF16 rounding of h and da moved values, so the check tells them apart
-        assert bad["h_rounded"] > 0 and bad["da_rounded"] > 0, bad
+    if key.endswith("bf16_h"):  # the BF16 rounding of h (and da, read by a separate epilogue) moved values
+        assert bad["h_rounded"] > 0 and ("separate" not in key or bad["da_rounded"] > 0), bad
+    assert bad["dglu_on_bf16_kernel"] == ("dglu_bf16_kernel" in key), bad
 
 
 def test_sizes_off_the_tile_run_zero_padded(results):

@@ -128,13 +128,13 @@ def grouped_gemm_kernel(
     h_ptr, stride_hm, h_up_offset,
     bias_ptr, stride_bias_e, bias_up_offset,
     probs_ptr, dprob_ptr, stride_dprob_part,
-    sched_ptr, a_store_args,
+    sched_ptr, epi_store_args,
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS, NUM_PROGRAMS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
-    FLATTEN: tl.constexpr, GATE_UP_BOX: tl.constexpr, A_STORE: tl.constexpr, A_STORE_CONSTS: tl.constexpr,
+    FLATTEN: tl.constexpr, GATE_UP_BOX: tl.constexpr, EPI_STORE: tl.constexpr, EPI_STORE_CONSTS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -160,10 +160,10 @@ def grouped_gemm_kernel(
                 _gemm_tile(
                     first_m + pid_m, pid_n, a_src, stride_am, stride_ak, b_src, stride_be, stride_bk, stride_bn,
                     b_up_offset, B_ROWS, c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr,
-                    stride_bias_e, bias_up_offset, probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, a_store_args,
+                    stride_bias_e, bias_up_offset, probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, epi_store_args,
                     T, N, K, alpha, limit, NUM_GROUPS, MODE, ACT, GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB,
                     DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR, SPLIT_EPILOGUE, UPCAST, phase == 0,
-                    GATE_UP_BOX, A_STORE, A_STORE_CONSTS, BM, BN, BK)
+                    GATE_UP_BOX, EPI_STORE, EPI_STORE_CONSTS, BM, BN, BK)
     else:
         # one program per tile of the worst-case grid: GROUP_M swizzle for L2 reuse of B; programs past
         # the last tile exit at once
@@ -174,9 +174,9 @@ def grouped_gemm_kernel(
         _gemm_tile(
             pid_m, pid_n, a_src, stride_am, stride_ak, b_src, stride_be, stride_bk, stride_bn, b_up_offset, B_ROWS,
             c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr, stride_bias_e, bias_up_offset,
-            probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, a_store_args, T, N, K, alpha, limit, NUM_GROUPS,
+            probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, epi_store_args, T, N, K, alpha, limit, NUM_GROUPS,
             MODE, ACT, GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA,
-            B_KMAJOR, SPLIT_EPILOGUE, UPCAST, False, GATE_UP_BOX, A_STORE, A_STORE_CONSTS, BM, BN, BK)
+            B_KMAJOR, SPLIT_EPILOGUE, UPCAST, False, GATE_UP_BOX, EPI_STORE, EPI_STORE_CONSTS, BM, BN, BK)
 
 
 @triton.jit
@@ -188,13 +188,13 @@ def _gemm_tile(
     h_ptr, stride_hm, h_up_offset,
     bias_ptr, stride_bias_e, bias_up_offset,
     probs_ptr, dprob_ptr, stride_dprob_part,
-    sched_ptr, a_store_args,
+    sched_ptr, epi_store_args,
     T, N, K, alpha, limit, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, EXPERT_TILE: tl.constexpr,
-    GATE_UP_BOX: tl.constexpr, A_STORE: tl.constexpr, A_STORE_CONSTS: tl.constexpr,
+    GATE_UP_BOX: tl.constexpr, EPI_STORE: tl.constexpr, EPI_STORE_CONSTS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One output tile: (group, row block) from the schedule, the K loop, the epilogue of ``MODE``.
@@ -291,13 +291,13 @@ def _gemm_tile(
         if GATED:
             fc1_epilogue(acc, acc_up, rows64, row_ok, cols, col_ok, bias_mask, bias_ptr + expert * stride_bias_e,
                          bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding,
-                         pid_m, a_store_args, alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST, A_STORE,
-                         A_STORE_CONSTS)
+                         pid_m, epi_store_args, alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST, EPI_STORE,
+                         EPI_STORE_CONSTS)
         else:
             fc1_epilogue(acc, acc, rows64, row_ok, cols, col_ok, bias_mask, bias_ptr + expert * stride_bias_e,
                          bias_up_offset, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding,
-                         pid_m, a_store_args, alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST, A_STORE,
-                         A_STORE_CONSTS)
+                         pid_m, epi_store_args, alpha, limit, ACT, GATED, HAS_BIAS, HAS_PROBS, UPCAST, EPI_STORE,
+                         EPI_STORE_CONSTS)
     else:
         # acc = da, the gradient of act(h) * p. The epilogue runs on two column halves of the tile
         # in turn: with BN=128 the whole tile at once (da, gate, up and their grads live together)
@@ -310,12 +310,15 @@ def _gemm_tile(
             acc_lo, acc_hi = column_halves(acc, BM, BN // 2)
             cols_lo = pid_n * BN + tl.arange(0, BN // 2)
             part = dact_epilogue(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm, h_up_offset, c_ptr,
-                                  stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+                                 stride_cm, c_up_offset, is_padding, pid_m, epi_store_args, alpha, limit, ACT, GATED,
+                                 UPCAST, EPI_STORE, EPI_STORE_CONSTS)
             part += dact_epilogue(acc_hi, rows64, row_ok, cols_lo + BN // 2, N, p, h_ptr, stride_hm, h_up_offset,
-                                   c_ptr, stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+                                  c_ptr, stride_cm, c_up_offset, is_padding, pid_m, epi_store_args, alpha, limit, ACT,
+                                  GATED, UPCAST, EPI_STORE, EPI_STORE_CONSTS)
         else:
             part = dact_epilogue(acc, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm,
-                                  c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+                                 c_up_offset, is_padding, pid_m, epi_store_args, alpha, limit, ACT, GATED, UPCAST,
+                                 EPI_STORE, EPI_STORE_CONSTS)
         if WRITE_DPROB:  # probs may scale the activation without needing a gradient
             if DPROB_PARTIALS:
                 tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
@@ -325,11 +328,11 @@ def _gemm_tile(
 
 @triton.jit
 def fc1_epilogue(acc, acc_up, rows64, row_ok, cols, col_ok, bias_mask, bias_row_ptr, bias_up_offset, h_ptr, stride_hm,
-                 h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding, tile, a_store_args, alpha, limit,
+                 h_up_offset, c_ptr, stride_cm, probs_ptr, is_padding, tile, store_args, alpha, limit,
                  ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr,
-                 UPCAST: tl.constexpr, A_STORE: tl.constexpr, A_STORE_CONSTS: tl.constexpr):
+                 UPCAST: tl.constexpr, STORE: tl.constexpr, STORE_CONSTS: tl.constexpr):
     """FC1 epilogue of FP32 ``acc`` (gate) / ``acc_up``: h = acc + b1 saved, a = act(h) * p (zeros for
-    the padding group) stored by ``A_STORE`` (:func:`store_activation`, or a recipe's quantizing store).
+    the padding group) stored by ``STORE`` (:func:`store_activation`, or a recipe's quantizing store).
     ``bias_row_ptr``: the expert's b1 row (``bias_mask`` False for padding); ``tile``: the schedule's M tile."""
     out_mask = row_ok[:, None] & col_ok[None, :]
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
@@ -347,14 +350,14 @@ def fc1_epilogue(acc, acc_up, rows64, row_ok, cols, col_ok, bias_mask, bias_row_
         p = tl.load(probs_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
         value = value * p[:, None]
     value = tl.where(is_padding, 0.0, value)
-    A_STORE(value, rows64, row_ok, cols, col_ok, tile, c_ptr, stride_cm, a_store_args, A_STORE_CONSTS, UPCAST)
+    STORE(value, rows64, row_ok, cols, col_ok, tile, c_ptr, stride_cm, store_args, STORE_CONSTS, UPCAST)
 
 
 @triton.jit
 def store_activation(value, rows64, row_ok, cols, col_ok, tile, c_ptr, stride_cm, args, CONSTS: tl.constexpr,
                      UPCAST: tl.constexpr):
     """The FC1 epilogue's store of ``a`` [rows, cols] in ``c``'s dtype (``args``, ``CONSTS``, ``tile``
-    unused: the signature of an ``A_STORE``)."""
+    unused: the signature of FC1's ``EPI_STORE``)."""
     tl.store(c_ptr + rows64[:, None] * stride_cm + cols[None, :], to_output(value, c_ptr.dtype.element_ty, UPCAST),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -367,17 +370,29 @@ def column_halves(x, ROWS: tl.constexpr, HALF: tl.constexpr):
 
 @triton.jit
 def dact_epilogue(da, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm, c_up_offset,
-                   alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr):
-    """dh = d act(h) * (da * p) for one block of columns; returns the row sums of da * act(h)."""
+                  is_padding, tile, store_args, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
+                  UPCAST: tl.constexpr, STORE: tl.constexpr, STORE_CONSTS: tl.constexpr):
+    """dh = d act(h) * (da * p) for one block of columns, stored by ``STORE`` (:func:`store_gate_up_grads`,
+    or a recipe's quantizing store); returns the row sums of da * act(h). ``tile``: the schedule's M tile."""
     mask = row_ok[:, None] & (cols < N)[None, :]
     h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
     g, u = load_gate_up(h_ptrs, h_up_offset, mask, GATED)
     dg, du, value = act_backward(g, u, da * p[:, None], alpha, limit, ACT)
+    STORE(dg, du, rows64, row_ok, cols, mask, is_padding, tile, c_ptr, stride_cm, c_up_offset, store_args,
+          STORE_CONSTS, GATED, UPCAST)
+    return tl.sum(tl.where(mask, da * value, 0.0), axis=1)
+
+
+@triton.jit
+def store_gate_up_grads(dg, du, rows64, row_ok, cols, mask, is_padding, tile, c_ptr, stride_cm, c_up_offset, args,
+                        CONSTS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr):
+    """The dGLU epilogue's store of dh's gate and up blocks in ``c``'s dtype, the up half at ``c_up_offset``
+    (``row_ok``, ``is_padding``, ``tile``, ``args``, ``CONSTS`` unused: the signature of the dGLU's
+    ``EPI_STORE``; padding rows hold zeros here as their da is zero)."""
     c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, to_output(dg, c_ptr.dtype.element_ty, UPCAST), mask=mask)
     if GATED:
         tl.store(c_ptrs + c_up_offset, to_output(du, c_ptr.dtype.element_ty, UPCAST), mask=mask)
-    return tl.sum(tl.where(mask, da * value, 0.0), axis=1)
 
 
 def persistent_programs(device: torch.device, cfg: GemmConfig) -> int:
@@ -419,12 +434,13 @@ def launch_scheduled(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tup
                      bias: Optional[torch.Tensor] = None, bias_up_offset: int = 0,
                      probs: Optional[torch.Tensor] = None, dprob: Optional[torch.Tensor] = None,
                      activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, gated: bool = False,
-                     a_store: Optional[tuple] = None):
+                     epilogue_store: Optional[tuple] = None):
     """:func:`launch` on a ``schedule`` already built for ``cfg.block_m``-row tiles of ``num_experts``
     experts (``schedule.build_schedule``): what a caller holding the schedule, not the counts, runs
-    (the block-scaled recipes' GEMMs on BF16 values). ``a_store``: FC1's store of ``a`` as ``(jit
-    function, its argument tuple, its constexpr tuple)`` with :func:`store_activation`'s signature
-    (``c`` is then passed to it, not written by the kernel); None: ``a`` in ``c``'s dtype."""
+    (the block-scaled recipes' GEMMs on BF16 values). ``epilogue_store``: the store of the epilogue's
+    output as ``(jit function, its argument tuple, its constexpr tuple)``, FC1's ``a`` with
+    :func:`store_activation`'s signature, the dGLU's ``dh`` with :func:`store_gate_up_grads`' (``c`` is
+    then passed to it, not written by the kernel); None: those two, in ``c``'s dtype."""
     mode = {"fc1": MODE_ACT_FWD, "fc2": MODE_PLAIN, "dact": MODE_ACT_BWD, "dgrad": MODE_PLAIN}[kind]
     num_rows = a.shape[0]
     num_groups = num_experts + 1
@@ -451,7 +467,8 @@ def launch_scheduled(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tup
     else:
         a_src, b_src, b_rows = a, b, 0
         b_up_offset = b_up_rows * b_strides[2]
-    a_store_fn, a_store_args, a_store_consts = a_store or (store_activation, (), ())
+    default_store = store_gate_up_grads if mode == MODE_ACT_BWD else store_activation
+    store_fn, store_args, store_consts = epilogue_store or (default_store, (), ())
     return grouped_gemm_kernel[(num_programs,)](
         a_src, a.stride(0), a.stride(1),
         b_src, b_strides[0], b_strides[1], b_strides[2], b_up_offset, b_rows,
@@ -461,15 +478,15 @@ def launch_scheduled(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tup
         probs if probs is not None else dummy,
         dprob if dprob is not None else dummy,
         dprob.stride(0) if (dprob is not None and dprob.dim() == 2) else 0,
-        schedule, a_store_args,
+        schedule, store_args,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_groups, num_programs if cfg.persistent else 0,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
         HAS_BIAS=bias is not None, HAS_PROBS=probs is not None, WRITE_DPROB=dprob is not None,
         DPROB_PARTIALS=dprob is not None and dprob.dim() == 2,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, N_VEC8=n % 8 == 0, USE_TMA=use_tma,
         B_KMAJOR=b_kmajor, SPLIT_EPILOGUE=mode == MODE_ACT_BWD and cfg.block_n >= 32, UPCAST=interpreting(),
-        PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, GATE_UP_BOX=gate_up_box, A_STORE=a_store_fn,
-        A_STORE_CONSTS=a_store_consts,
+        PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, GATE_UP_BOX=gate_up_box, EPI_STORE=store_fn,
+        EPI_STORE_CONSTS=store_consts,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

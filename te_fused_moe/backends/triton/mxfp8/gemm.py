@@ -52,7 +52,8 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, act_backward, act_forward, load_gate_up, to_output
 from ..block_scaled_launch import (GEMM_MODES, MODE_DACT, MODE_FC1, MODE_PLAIN, copies_arguments, kernel_operands,
-                                   operand_sources, quantized_copies, separate_epilogue, tiled_width, tma_allowed)
+                                   operand_sources, or_dummy, quantized_copies, separate_epilogue, tiled_width,
+                                   tma_allowed)
 from ..grouped_gemm import column_halves, interpreting
 from ..operand_tiles import k_block, operand_tiles
 from ..padded import padded_size
@@ -62,6 +63,8 @@ from .codec import expand_bf16, mx_dequant_scale
 from .quantize import MX, TILE, MXSpec, store_mx
 
 EXPAND_BLOCK_K = 128  # K step of the expand_bf16 loop: four scale blocks
+# N tile of the dGLU on the BF16 backend's kernel (``DGLU_VALUES_KERNEL``): its dGLU config's
+DGLU_VALUES_BLOCK_N = 128
 # The GEMMs' default inner loop: BF16 wgmma on exactly expanded operands (True) or FP8 wgmma per 32-K
 # block with FP32 promotion (False). Measured on the H200 (benchmarks/NOTES.md, run 13).
 EXPAND_BF16_DEFAULT = True
@@ -69,7 +72,8 @@ EXPAND_BF16_DEFAULT = True
 USE_TMA_DEFAULT = True
 # How the dGLU runs: "fused" = one kernel; "separate" = this module's plain GEMM writes da ([T, F],
 # transient, in EPILOGUE_INPUT_DTYPE), then the same kernel with ``ACC_IN`` runs the dGLU + quantize
-# epilogue alone; "auto" (the default) = separate on CUDA. At DSv3 on the H200 the fused dGLU takes 2.84 ms against 1.63 ms for its GEMM alone; separate,
+# epilogue alone; "auto" (the default) = on BF16 values with the default config, fused on the BF16 backend's
+# kernel (``DGLU_VALUES_KERNEL``), else separate on CUDA (fused under the interpreter). At DSv3 on the H200 the fused dGLU takes 2.84 ms against 1.63 ms for its GEMM alone; separate,
 # 2.38-2.42 ms (runs 17d-e), and the MXFP8 MLP 20.99 ms vs 21.26 fused (1.14x its unfused path vs
 # 1.11x). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM alone leaves nothing for a separate
 # epilogue to win.
@@ -98,6 +102,14 @@ PLAIN_VALUES_KERNEL = "bf16"
 # MLP 19.17 -> 18.82 ms at 4 stages (1.24x -> 1.26x its unfused path, 23.69). A launch given an explicit
 # ``config`` runs this module's kernel with it.
 FC1_VALUES_KERNEL = "bf16"
+# The kernel of the dGLU on BF16 values (dy's values, w2's) where its epilogue is "auto" (``DACT_EPILOGUE``):
+# "bf16" = fused on the BF16 backend's persistent grouped GEMM (its dGLU config, 128 x 128 x 64 tiles, the
+# epilogue in two 64-column halves) with this module's quantizing store of dh (:func:`store_mx_gate_up_grads`:
+# rowwise and columnwise, db1 per-tile sums) as that kernel's store, from the FP32 accumulator; "mx" = the
+# separate dGLU (the plain GEMM writing da, then ``dglu_epilogue``'s pass), 1.40 + 0.56 ms at DSv3 (runs 35a,
+# 36a). The route is taken by ``default_config("dact", True)`` (``MXGemmConfig.bf16_kernel``), whose N tile
+# is the route's, since the dprob partials' count is the caller's (one per N tile).
+DGLU_VALUES_KERNEL = "bf16"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
 # accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
@@ -116,6 +128,9 @@ class MXGemmConfig:
     # the K step with both operands BF16 values (no scales read, so any multiple of 32): None = EXPAND_BLOCK_K;
     # 64 halves each stage's bytes, room for BN = 128 (gate and up) at 3-4 stages (scripts/probe_mx_fc1.py)
     block_k: Optional[int] = None
+    # dGLU on BF16 values: fused on the BF16 backend's kernel (``DGLU_VALUES_KERNEL``; this config's block_n
+    # is its N tile) where the epilogue resolves to "auto"; else this module's kernel with this config
+    bf16_kernel: bool = False
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> MXGemmConfig:
@@ -134,9 +149,13 @@ def default_config(kind: str, bf16_operands: bool = False) -> MXGemmConfig:
     dgrad at 128 x 128, 8 warps, 3 stages."""
     if kind not in ("fc1", "fc2", "dact", "dgrad"):
         raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
+    dglu_route = kind == "dact" and bf16_operands and DGLU_VALUES_KERNEL == "bf16"
     if interpreting():  # the GPU's tile shapes
         return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1,
-                            expand_bf16=EXPAND_BF16_DEFAULT or bf16_operands)
+                            expand_bf16=EXPAND_BF16_DEFAULT or bf16_operands, bf16_kernel=dglu_route)
+    if dglu_route:  # the BF16 backend's dGLU tile (the rest is this module's, where the epilogue is not "auto")
+        return MXGemmConfig(block_n=DGLU_VALUES_BLOCK_N, num_warps=8, num_stages=4, expand_bf16=True,
+                            bf16_kernel=True)
     if bf16_operands:
         if kind in ("fc1", "dact"):
             return MXGemmConfig(block_n=64, num_warps=8, num_stages=3 if kind == "fc1" else 4, expand_bf16=True)
@@ -223,6 +242,30 @@ def store_mx_activation(value, rows64, row_ok, cols, col_ok, tile, c_ptr, stride
              CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, HALF)
     store_mx(hi, rows64, row_ok, cols_lo + HALF, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
              CONSTS[0], CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, HALF)
+
+
+@triton.jit
+def store_mx_gate_up_grads(dg, du, rows64, row_ok, cols, mask, is_padding, tile, c_ptr, stride_cm, c_up_offset, q,
+                           CONSTS: tl.constexpr, GATED: tl.constexpr, UPCAST: tl.constexpr):
+    """The BF16 backend's dGLU epilogue storing dh's FP32 gate and up blocks [BM, BN] MXFP8-quantized (its
+    ``EPI_STORE``, see ``grouped_gemm.launch_scheduled``): rowwise and / or columnwise into the tile's slot
+    (:func:`store_mx`; zeros on the padding group), the up block ``q_up_offset`` columns on; with
+    ``WRITE_DBIAS``, the block's column sums into row ``tile`` of ``dbias`` (db1's per-tile sums, its up
+    half as dh's). ``q``: ``copies_arguments``' run, then ``(q_up_offset, dbias, stride_dbias_t)``;
+    ``CONSTS``: (ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, WRITE_DBIAS). Every column is stored
+    (the caller's N is on the tile); ``c_ptr``, ``c_up_offset`` unused."""
+    BM: tl.constexpr = dg.shape[0]
+    BN: tl.constexpr = dg.shape[1]
+    if CONSTS[6]:
+        db_ptrs = q[10] + tile * q[11] + cols
+        tl.store(db_ptrs, tl.sum(tl.where(mask, dg, 0.0), axis=0))
+        if GATED:
+            tl.store(db_ptrs + q[9], tl.sum(tl.where(mask, du, 0.0), axis=0))
+    store_mx(tl.where(is_padding, 0.0, dg), rows64, row_ok, cols, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6],
+             q[7], q[8], CONSTS[0], CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, BN)
+    if GATED:
+        store_mx(tl.where(is_padding, 0.0, du), rows64, row_ok, cols + q[9], tile, q[0], q[1], q[2], q[3], q[4],
+                 q[5], q[6], q[7], q[8], CONSTS[0], CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, BN)
 
 
 @triton.jit
@@ -414,6 +457,10 @@ def launch(kind: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b
         return _fc1_on_bf16_kernel(a, b, n, schedule, num_experts, spec, q, h, h_up_offset, bias, bias_up_offset,
                                    probs, activation, alpha, limit, gated)
     cfg = config or default_config(kind, a_bf16 and b_bf16)
+    if mode == MODE_DACT and cfg.bf16_kernel and (cfg.epilogue or DACT_EPILOGUE) == "auto":
+        _check_dglu_route(cfg, a_bf16 and b_bf16, n, q)
+        return _dglu_on_bf16_kernel(a, b, n, schedule, num_experts, spec, q, q_up_offset, h, h_up_offset, probs,
+                                    dprob, dbias, activation, alpha, limit, gated, cfg.block_n)
     if (a_bf16 or b_bf16) and not cfg.expand_bf16:
         raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
     if mode != MODE_PLAIN and cfg.block_n not in (64, 128):
@@ -482,14 +529,48 @@ def _fc1_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torc
     k = a.shape[1]
     rowwise, colwise = quantized_copies(q)
     dummy = a.view(torch.uint8)
-    a_store = (store_mx_activation, copies_arguments(q, dummy, dummy),
-               (rowwise, colwise, *spec.constexprs().values()))
+    store = (store_mx_activation, copies_arguments(q, dummy, dummy), (rowwise, colwise, *spec.constexprs().values()))
     # h stands in for c: the kernel passes c to the store, which writes q instead
     return grouped_gemm.launch_scheduled("fc1", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, h, schedule,
                                          num_experts, fc1_values_config(n, k), b_up_rows=n if gated else 0, h=h,
                                          h_up_offset=h_up_offset, bias=bias, bias_up_offset=bias_up_offset,
                                          probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
-                                         a_store=a_store)
+                                         epilogue_store=store)
+
+
+def _check_dglu_route(cfg: MXGemmConfig, bf16_operands: bool, n: int, q) -> None:
+    if not bf16_operands:
+        raise ValueError("config: bf16_kernel (the dGLU on the BF16 backend's kernel) needs both operands as BF16 "
+                         "values")
+    if q is None or n % cfg.block_n or cfg.block_n % 64:
+        raise ValueError(f"config: bf16_kernel needs dh's quantized copies and N={n} a multiple of block_n="
+                         f"{cfg.block_n}, itself a multiple of 64 (whole 1x32 blocks in each half)")
+
+
+def _dglu_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torch.Tensor, num_experts: int,
+                         spec: MXSpec, q, q_up_offset: int, h: torch.Tensor, h_up_offset: int,
+                         probs: Optional[torch.Tensor], dprob: Optional[torch.Tensor], dbias: Optional[torch.Tensor],
+                         activation: str, alpha: float, limit: float, gated: bool, block_n: int):
+    """The dGLU on BF16 values by the BF16 backend's grouped GEMM (:func:`dglu_values_config` at ``block_n``
+    columns, the dprob partials' width), its epilogue storing dh through :func:`store_mx_gate_up_grads`,
+    on this recipe's schedule."""
+    from .. import grouped_gemm
+
+    k = a.shape[1]
+    rowwise, colwise = quantized_copies(q)
+    dummy = a.view(torch.uint8)
+    store = (store_mx_gate_up_grads, (*copies_arguments(q, dummy, dummy), q_up_offset, *or_dummy(dbias, h, 0)),
+             (rowwise, colwise, *spec.constexprs().values(), dbias is not None))
+    # h stands in for c: the store writes q instead
+    return grouped_gemm.launch_scheduled("dact", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, h, schedule,
+                                         num_experts, dglu_values_config(n, k, block_n), h=h, h_up_offset=h_up_offset,
+                                         probs=probs, dprob=dprob, activation=activation, alpha=alpha, limit=limit,
+                                         gated=gated, epilogue_store=store)
+
+
+def dglu_values_config(n: int, k: int, block_n: int):
+    """The BF16 backend's dGLU config (:func:`_bf16_kernel_config`) at ``block_n`` columns."""
+    return replace(_bf16_kernel_config("dact", n, k), block_n=block_n)
 
 
 def fc1_values_config(n: int, k: int):

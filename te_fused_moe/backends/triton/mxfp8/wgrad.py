@@ -38,8 +38,10 @@ class MXWgradConfig:
     expand_bf16: bool = False  # BF16 wgmma on operands expanded exactly in registers (see gemm.expand_bf16)
     # tokens per step with both operands BF16 values (no scales read): None = a tile slot (128). At DSv3 each
     # expert's 1024 tokens are 8 steps of 128, so the pipeline's fill and the tile's store weigh on every
-    # program; 64 halves a stage (3 stages in 96 KB: two programs per SM). Not yet timed on a GPU
-    # (scripts/probe_mx_wgrad.py).
+    # program; 64 halves a stage (3 stages in 96 KB: two programs per SM). Run 37a (H100, DSv3,
+    # scripts/probe_mx_wgrad.py), dw1 / dw2 ms: 128 tokens 3.850 / 1.867; 64 at 3 stages 3.508 / 1.806 (the
+    # default since), at 4 stages 3.783 / 1.877, with 4 warps 3.522 / 1.912, GROUP_N 16 3.420 / 1.946; 32 at 4
+    # stages 3.897 / 2.199; the BF16 backend's wgrad 3.416 / 1.749, cuBLAS 3.071 / 1.586.
     block_t: Optional[int] = None
 
 
@@ -48,13 +50,14 @@ def default_config(bf16_operands: bool = False) -> MXWgradConfig:
     (or FP32 promotion) with another's wgmma. On the H200 (run 13) as fast as 128x128 at 8 warps with
     the expand loop (3.69 vs 3.73 ms at DSv3), and 1.35x faster for fp8_block's promotion loop.
     Reading BF16 values expanded before the GEMM: 128 x 128 at 8 warps, 3 stages (NVFP4's BF16-valued
-    wgrad on the H200, run 15: 512 TFLOP/s vs 380 at 64 x 128, 4 warps)."""
+    wgrad on the H200, run 15: 512 TFLOP/s vs 380 at 64 x 128, 4 warps), 64 tokens a step (run 37a: 5.31
+    against 5.72 ms for both wgrads at DSv3 on an H100, ``MXWgradConfig.block_t``)."""
     expand = mx_gemm.EXPAND_BF16_DEFAULT
     if interpreting():
         return MXWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1,
                              expand_bf16=expand or bf16_operands)
     if bf16_operands:
-        return MXWgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, expand_bf16=True)
+        return MXWgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, expand_bf16=True, block_t=64)
     return MXWgradConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, expand_bf16=expand)
 
 

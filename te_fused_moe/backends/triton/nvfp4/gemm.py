@@ -41,7 +41,8 @@ import triton.language as tl
 
 from ..act_math import ACT_IDS, to_output
 from ..block_scaled_launch import GEMM_MODES, MODE_DACT, operand_sources, or_dummy, tma_allowed
-from ..grouped_gemm import column_halves, dact_epilogue, fc1_epilogue, interpreting, store_activation
+from ..grouped_gemm import (column_halves, dact_epilogue, fc1_epilogue, interpreting, store_activation,
+                            store_gate_up_grads)
 from ..padded import padded_size
 from ..schedule import max_m_tiles, swizzle, tile_rows, total_tiles
 from .codec import DEQUANT_FACTOR, e2m1_expand_halves
@@ -199,12 +200,15 @@ def nv_grouped_gemm_kernel(
             acc_lo, acc_hi = column_halves(acc, BM, BN // 2)
             cols_lo = pid_n * BN + tl.arange(0, BN // 2)
             part = dact_epilogue(acc_lo, rows64, row_ok, cols_lo, N, p, h_ptr, stride_hm, h_up_offset, c_ptr,
-                                 stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+                                 stride_cm, c_up_offset, is_padding, pid_m, (), alpha, limit, ACT, GATED, UPCAST,
+                                 store_gate_up_grads, ())
             part += dact_epilogue(acc_hi, rows64, row_ok, cols_lo + BN // 2, N, p, h_ptr, stride_hm, h_up_offset,
-                                  c_ptr, stride_cm, c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+                                  c_ptr, stride_cm, c_up_offset, is_padding, pid_m, (), alpha, limit, ACT, GATED,
+                                  UPCAST, store_gate_up_grads, ())
         else:
             part = dact_epilogue(acc, rows64, row_ok, cols, N, p, h_ptr, stride_hm, h_up_offset, c_ptr, stride_cm,
-                                 c_up_offset, alpha, limit, ACT, GATED, UPCAST)
+                                 c_up_offset, is_padding, pid_m, (), alpha, limit, ACT, GATED, UPCAST,
+                                 store_gate_up_grads, ())
         if WRITE_DPROB:
             tl.store(dprob_ptr + pid_n * stride_dprob_part + rows64, part, mask=row_ok)
 
