@@ -677,8 +677,11 @@ def sm90_build_report() -> dict:
             written = dict(types, q_ptr="*bf16", qt_ptr="*bf16" if mode == MODE_DACT else "*u8")
             report[f"{name}_written"] = build(gemm.mx_grouped_gemm_kernel, written, consts, cfg.num_warps,
                                               cfg.num_stages)
-    # the dGLU's epilogue alone (gemm.DACT_EPILOGUE = "separate"): no K loop, so no wgmma
+    # the dGLU's epilogue alone (gemm.DACT_EPILOGUE = "separate"): no K loop, so no wgmma; at the separate dGLU's
+    # config (with gemm.DGLU_VALUES_KERNEL = "mx"; the default config's 128-column tiles are the routed kernel's)
+    shipped_route, gemm.DGLU_VALUES_KERNEL = gemm.DGLU_VALUES_KERNEL, "mx"
     cfg = gemm.default_config("dact", True)
+    gemm.DGLU_VALUES_KERNEL = shipped_route
     consts.update(MODE=MODE_DACT, ACT=ACT_IDS["swiglu"], GATED=True, WRITE_DPROB=True, WRITE_DBIAS=True, ROWWISE=True,
                   COLWISE=True, USE_TMA=False, ACC_IN=True, SPLIT_EPILOGUE=cfg.split_epilogue, BN=cfg.block_n)
     report["dact_swiglu_epilogue_alone"] = build(gemm.mx_grouped_gemm_kernel,
@@ -773,7 +776,7 @@ def _worker() -> None:
         # recipe's quantizing store of dh (gemm.DGLU_VALUES_KERNEL), TMA and pointers, written values, h in BF16
         "exact_values_dglu_bf16_kernel": check_kernels_exact("cpu", seed=17, values=True, dglu={}),
         "exact_written_values_ptr_e5m2_dglu_bf16_kernel_bf16_h": check_kernels_exact(
-            "cpu", seed=18, use_tma=False, fmt="e5m2", T=200, H=128, values=True, written_values=True,
+            "cpu", seed=18, use_tma=False, fmt="e5m2", T=200, H=512, values=True, written_values=True,
             h_dtype=torch.bfloat16, dglu={}),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("mxfp8", "cpu"),
