@@ -630,7 +630,19 @@ def check_dispatch(device: str) -> dict:
 def sm90_build_report() -> dict:
     """Compile every MXFP8 kernel variant the backend launches by default for sm_90a with the Triton
     wheel's ptxas (no GPU): per kernel the FP8 wgmma instructions (QGMMA) in its SASS, its stack
-    (spill) bytes, and the spill loads/stores inside its K loop. Needs TRITON_INTERPRET unset."""
+    (spill) bytes, and the spill loads/stores inside its K loop. Needs TRITON_INTERPRET unset.
+    The dGLU on BF16 values at this recipe's own config (``gemm.DGLU_VALUES_KERNEL = "mx"``): its default
+    config's runs on the BF16 backend's kernel, built in test_mxfp8_on_bf16_kernel.py."""
+    from te_fused_moe.backends.triton.mxfp8 import gemm
+
+    shipped, gemm.DGLU_VALUES_KERNEL = gemm.DGLU_VALUES_KERNEL, "mx"
+    try:
+        return _kernel_builds()
+    finally:
+        gemm.DGLU_VALUES_KERNEL = shipped
+
+
+def _kernel_builds() -> dict:
     import dataclasses
 
     from sm90_build import build_sm90 as build
@@ -677,11 +689,8 @@ def sm90_build_report() -> dict:
             written = dict(types, q_ptr="*bf16", qt_ptr="*bf16" if mode == MODE_DACT else "*u8")
             report[f"{name}_written"] = build(gemm.mx_grouped_gemm_kernel, written, consts, cfg.num_warps,
                                               cfg.num_stages)
-    # the dGLU's epilogue alone (gemm.DACT_EPILOGUE = "separate"): no K loop, so no wgmma; at the separate dGLU's
-    # config (with gemm.DGLU_VALUES_KERNEL = "mx"; the default config's 128-column tiles are the routed kernel's)
-    shipped_route, gemm.DGLU_VALUES_KERNEL = gemm.DGLU_VALUES_KERNEL, "mx"
+    # the dGLU's epilogue alone (gemm.DACT_EPILOGUE = "separate"): no K loop, so no wgmma
     cfg = gemm.default_config("dact", True)
-    gemm.DGLU_VALUES_KERNEL = shipped_route
     consts.update(MODE=MODE_DACT, ACT=ACT_IDS["swiglu"], GATED=True, WRITE_DPROB=True, WRITE_DBIAS=True, ROWWISE=True,
                   COLWISE=True, USE_TMA=False, ACC_IN=True, SPLIT_EPILOGUE=cfg.split_epilogue, BN=cfg.block_n)
     report["dact_swiglu_epilogue_alone"] = build(gemm.mx_grouped_gemm_kernel,
@@ -699,7 +708,8 @@ def sm90_build_report() -> dict:
                                   ROWWISE=True, COLWISE=True, **spec, BM=128, BK=D.COLS, PART=cfg.block_n,
                                   UNROLL=D.UNROLL),
                              D.WARPS, 1, D.MAXNREG)
-    # (and the BF16-valued wgrad at 64 tokens a step, W.MXWgradConfig.block_t: two programs per SM)
+    # (and the BF16-valued wgrad at a tile slot and at 64 tokens a step, W.MXWgradConfig.block_t: two programs
+    # per SM, the default since run 37a)
     for values, block_t in ((False, None), (True, None), (True, 64)):
         wcfg = dataclasses.replace(W.default_config(values), block_t=block_t)
         bt = block_t or (128 if wcfg.expand_bf16 else 32)
