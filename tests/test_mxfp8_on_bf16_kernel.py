@@ -20,8 +20,8 @@ poisoned buffers: h against FP64, ``a``'s values against FP64 act(h) * p within 
 element written, zeros on the padding rows, and the same bytes from both kernels (h, ``a``'s codes,
 values and scales).
 
-The dGLU on BF16 values (``mxfp8.gemm.DGLU_VALUES_KERNEL``: ``"bf16"`` = fused on the BF16 backend's kernel with
-MXFP8's quantizing store of dh, taken by the dGLU's default config), gated with both copies of dh, db1 and
+The dGLU on BF16 values (``mxfp8.gemm.DGLU_VALUES_KERNEL = "bf16"``: fused on the BF16 backend's kernel with
+MXFP8's quantizing store of dh, taken by the dGLU's default config; not the default, run 37b), gated with both copies of dh, db1 and
 dprob, and not gated with the rowwise copy alone, into poisoned buffers: dh's values against the FP64 dGLU
 of the FP64 product within E4M3's rounding, dprob against FP64, every element written, zeros on the padding
 rows, and the same bytes as MXFP8's own kernel running the dGLU as one kernel from the same FP32 sums (dh's
@@ -163,7 +163,7 @@ def sm90_build_report() -> dict:
         report[f"fc1_h_{h_type[1:]}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts, cfg.num_warps,
                                                    cfg.num_stages)
     # the dGLU with MXFP8's store of dh (both copies, values; db1 sums), h in BF16 and FP32, at its default config
-    cfg = gemm.dglu_values_config(2048, 7168, gemm.default_config("dact", True).block_n)
+    cfg = gemm.dglu_values_config(2048, 7168, gemm.DGLU_VALUES_BLOCK_N)
     for h_type in ("*bf16", "*fp32"):
         types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                      b_src=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
@@ -331,8 +331,10 @@ def _dglu_worker():
     tiles = int(sched[len(COUNTS)])  # the padding group's first tile: the experts' tiles before it
     m_tiles = max_m_tiles(rows, experts, Q.TILE)
     no_scale_a, no_scale_b = torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1, 1, dtype=torch.uint8)
+    report = {"shipped": gemm.DGLU_VALUES_KERNEL, "shipped_takes_route": gemm.default_config("dact", True).bf16_kernel}
+    gemm.DGLU_VALUES_KERNEL = "bf16"  # this process's: the default config then takes the route
     route = gemm.default_config("dact", True)
-    report = {"shipped": gemm.DGLU_VALUES_KERNEL, "default_takes_route": route.bf16_kernel}
+    report["default_takes_route"] = route.bf16_kernel
     starts = [0] + counts.cumsum(0).tolist()
     for case, (activation, gated, rowwise, colwise, db1) in DGLU_CASES.items():
         width = 2 * ffn if gated else ffn
@@ -383,7 +385,8 @@ def dglu_results():
 
 @pytest.mark.parametrize("case", list(DGLU_CASES))
 def test_dglu_on_both_kernels_matches_fp64_and_writes_every_element(dglu_results, case):
-    assert dglu_results["shipped"] == "bf16" and dglu_results["default_takes_route"], dglu_results
+    assert dglu_results["shipped"] == "mx" and not dglu_results["shipped_takes_route"], dglu_results  # run 37b
+    assert dglu_results["default_takes_route"], dglu_results
     for kernel, calls in (("bf16", 1), ("mx", 0)):
         r = dglu_results[f"{case}_{kernel}"]
         assert r["routed_calls"] == calls, (kernel, r)

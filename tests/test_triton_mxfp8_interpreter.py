@@ -78,10 +78,12 @@ MLP_CASES = [
     # the dGLU as its GEMM + the epilogue alone (gemm.DACT_EPILOGUE = "separate")
     ("swiglu-empty-pad-sepdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("gptoss-ptr-hybrid-sepdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (), "HYBRID"),
-    # the dGLU as one kernel of this recipe's (gemm.DACT_EPILOGUE = "fused"; the other cases on BF16 values run it
-    # on the BF16 backend's kernel, gemm.DGLU_VALUES_KERNEL), TMA and pointers, h in FP32 and BF16
-    ("swiglu-empty-pad-mxdglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
-    ("gptoss-ptr-hbf16-mxdglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (), "E4M3"),
+    # the dGLU on BF16 values fused on the BF16 backend's kernel with this recipe's quantizing store of dh
+    # (gemm.DGLU_VALUES_KERNEL = "bf16"; the other cases run it on this recipe's kernel), TMA and pointers, h in
+    # FP32 and BF16
+    ("swiglu-empty-pad-bf16dglu", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    ("gptoss-ptr-hbf16-bf16dglu", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (),
+     "E4M3"),
     # ... on the GEMM kernel's epilogue (gemm.SEPARATE_DGLU_KERNEL = "gemm"; the default is the chunked kernel)
     ("swiglu-empty-pad-sepdglu-gemm", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # the plain GEMMs on BF16 values on this recipe's kernel (gemm.PLAIN_VALUES_KERNEL = "mx"; the other cases
@@ -436,7 +438,7 @@ def assert_values_in_pass(r: dict) -> None:
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
                         T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False,
                         h_dtype: torch.dtype = torch.float32, written_values: bool = False,
-                        dglu_kernel: str = None, dglu=None) -> dict:
+                        dglu_kernel: str = None, dglu_route: bool = False) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
@@ -447,8 +449,8 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     ``written_values`` too, the quantize passes and epilogues writing those values themselves where the
     fused path's GEMMs of the same pass read them (``autograd.QUANTIZE_TO_VALUES``: x, a rowwise; dy, dh
     both ways). ``dglu_kernel``: the separate dGLU epilogue's kernel (``gemm.SEPARATE_DGLU_KERNEL``; None:
-    the shipped one). ``dglu``: overrides of the dGLU's own default config (``gemm.default_config("dact")``:
-    on BF16 values the BF16 backend's kernel, ``gemm.DGLU_VALUES_KERNEL``); None: the dGLU runs FC1's config.
+    the shipped one). ``dglu_route``: the dGLU at its own default config with ``gemm.DGLU_VALUES_KERNEL =
+    "bf16"`` (on BF16 values: fused on the BF16 backend's kernel); else it runs FC1's config.
     ``h_dtype`` BF16: h is saved rounded (FC1, one kernel, acts on the FP32 sums); the dGLU reads
     that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too."""
     import dataclasses
@@ -466,6 +468,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
 
     gemm.USE_TMA_DEFAULT = use_tma
     shipped_dglu, gemm.SEPARATE_DGLU_KERNEL = gemm.SEPARATE_DGLU_KERNEL, dglu_kernel or gemm.SEPARATE_DGLU_KERNEL
+    shipped_route, gemm.DGLU_VALUES_KERNEL = gemm.DGLU_VALUES_KERNEL, "bf16" if dglu_route else "mx"
     g = torch.Generator().manual_seed(seed)
     F, E, n1 = 128, 3, 128
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()
@@ -495,7 +498,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
                 c=y, config=pcfg)
     dyq = Q.quantize_rows(d(dy), sched, E, spec, rowwise=True, colwise=True, alloc=poison_alloc, **both)
     dhq = new_rows(T, n1, h, spec, E, True, True, alloc=poison_alloc, **both)
-    dcfg = cfg if dglu is None else dataclasses.replace(gemm.default_config("dact", values), **dglu)
+    dcfg = gemm.default_config("dact", values) if dglu_route else cfg
     dprob = poisoned(torch.empty(F // dcfg.block_n, T, device=device))
     dbias = poisoned(torch.empty(tiles, n1, device=device))
     gemm.launch("dact", read(dyq.data, dyq.scale), dyq.scale, read(w2q.data_t, w2q.scale_t), w2q.scale_t, F, sched,
@@ -509,7 +512,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     mx_grouped_wgrad(cols(dhq), cols(xq), sched, dw1, config=wcfg)
     db1 = poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
     tile_sums_to_experts(dbias, sched, db1)
-    gemm.USE_TMA_DEFAULT, gemm.SEPARATE_DGLU_KERNEL = True, shipped_dglu
+    gemm.USE_TMA_DEFAULT, gemm.SEPARATE_DGLU_KERNEL, gemm.DGLU_VALUES_KERNEL = True, shipped_dglu, shipped_route
 
     tab = schedule_table(sched, E).cpu()
     bad = {k: 0 for k in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob")}
@@ -593,10 +596,12 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
                        routing=routing, padding=padding, seed=seed)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     default, autograd.EXPAND_BEFORE_GEMM = autograd.EXPAND_BEFORE_GEMM, not case_id.endswith("-kloop")
-    # the dGLU: the shipped "auto" (on BF16 values the BF16 backend's kernel, gemm.DGLU_VALUES_KERNEL; else one
-    # kernel under the interpreter), its GEMM + the epilogue alone, or this recipe's kernel as one
+    # the dGLU: the shipped "auto" (separate on the GPU, one kernel under the interpreter; with "-bf16dglu" on
+    # BF16 values, fused on the BF16 backend's kernel, gemm.DGLU_VALUES_KERNEL), its GEMM + the epilogue alone,
+    # or this recipe's kernel as one
     dglu, gemm.DACT_EPILOGUE = gemm.DACT_EPILOGUE, ("separate" if "-sepdglu" in case_id else
                                                     "fused" if "-mxdglu" in case_id else "auto")
+    route, gemm.DGLU_VALUES_KERNEL = gemm.DGLU_VALUES_KERNEL, "bf16" if "-bf16dglu" in case_id else "mx"
     dglu_kernel = gemm.SEPARATE_DGLU_KERNEL
     gemm.SEPARATE_DGLU_KERNEL = "gemm" if case_id.endswith("-sepdglu-gemm") else dglu_kernel
     values, autograd.BF16_WEIGHT_VALUES = autograd.BF16_WEIGHT_VALUES, "-bf16w" in case_id
@@ -609,7 +614,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
     finally:
-        gemm.FC1_VALUES_KERNEL = fc1
+        gemm.FC1_VALUES_KERNEL, gemm.DGLU_VALUES_KERNEL = fc1, route
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
         autograd.QUANTIZE_TO_VALUES = written
         gemm.SEPARATE_DGLU_KERNEL, gemm.PLAIN_VALUES_KERNEL = dglu_kernel, plain
@@ -630,19 +635,7 @@ def check_dispatch(device: str) -> dict:
 def sm90_build_report() -> dict:
     """Compile every MXFP8 kernel variant the backend launches by default for sm_90a with the Triton
     wheel's ptxas (no GPU): per kernel the FP8 wgmma instructions (QGMMA) in its SASS, its stack
-    (spill) bytes, and the spill loads/stores inside its K loop. Needs TRITON_INTERPRET unset.
-    The dGLU on BF16 values at this recipe's own config (``gemm.DGLU_VALUES_KERNEL = "mx"``): its default
-    config's runs on the BF16 backend's kernel, built in test_mxfp8_on_bf16_kernel.py."""
-    from te_fused_moe.backends.triton.mxfp8 import gemm
-
-    shipped, gemm.DGLU_VALUES_KERNEL = gemm.DGLU_VALUES_KERNEL, "mx"
-    try:
-        return _kernel_builds()
-    finally:
-        gemm.DGLU_VALUES_KERNEL = shipped
-
-
-def _kernel_builds() -> dict:
+    (spill) bytes, and the spill loads/stores inside its K loop. Needs TRITON_INTERPRET unset."""
     import dataclasses
 
     from sm90_build import build_sm90 as build
@@ -782,12 +775,12 @@ def _worker() -> None:
         "exact_values_wgrad_t64": check_kernels_exact("cpu", seed=15, values=True, wgrad=dict(block_t=64)),
         "exact_values_ptr_wgrad_t32": check_kernels_exact("cpu", seed=16, use_tma=False, T=200, H=128, values=True,
                                                           wgrad=dict(block_t=32)),
-        # the dGLU on BF16 values at its own default config: fused on the BF16 backend's kernel with this
-        # recipe's quantizing store of dh (gemm.DGLU_VALUES_KERNEL), TMA and pointers, written values, h in BF16
-        "exact_values_dglu_bf16_kernel": check_kernels_exact("cpu", seed=17, values=True, dglu={}),
+        # the dGLU on BF16 values fused on the BF16 backend's kernel with this recipe's quantizing store of dh
+        # (gemm.DGLU_VALUES_KERNEL = "bf16"), TMA and pointers, written values, h in BF16
+        "exact_values_dglu_bf16_kernel": check_kernels_exact("cpu", seed=17, values=True, dglu_route=True),
         "exact_written_values_ptr_e5m2_dglu_bf16_kernel_bf16_h": check_kernels_exact(
             "cpu", seed=18, use_tma=False, fmt="e5m2", T=200, H=512, values=True, written_values=True,
-            h_dtype=torch.bfloat16, dglu={}),
+            h_dtype=torch.bfloat16, dglu_route=True),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("mxfp8", "cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},

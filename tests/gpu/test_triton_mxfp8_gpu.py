@@ -130,9 +130,10 @@ def test_bf16_values_exact_on_integer_data_gpu(tma, fmt, dglu, kernel):
 
 @pytest.mark.parametrize("tma,fmt", [(True, "e4m3"), (False, "e5m2")], ids=["tma", "ptr-e5m2"])
 def test_dglu_on_bf16_kernel_exact_on_integer_data_gpu(tma, fmt):
-    # the dGLU on BF16 values at its own default config: fused on the BF16 backend's kernel with this recipe's
-    # quantizing store of dh (gemm.DGLU_VALUES_KERNEL), the other GEMMs as the values path runs them
-    bad = checks.check_kernels_exact("cuda", seed=6, use_tma=tma, fmt=fmt, values=True, written_values=True, dglu={})
+    # the dGLU on BF16 values fused on the BF16 backend's kernel with this recipe's quantizing store of dh
+    # (gemm.DGLU_VALUES_KERNEL = "bf16"), the other GEMMs as the values path runs them
+    bad = checks.check_kernels_exact("cuda", seed=6, use_tma=tma, fmt=fmt, values=True, written_values=True,
+                                     dglu_route=True)
     print("MXFP8_EXACT_DGLU_BF16_KERNEL", json.dumps(bad))
     assert bad["dglu_on_bf16_kernel"] == 1, bad
     for name in ("h", "a_row", "a_col", "y", "dh_row", "dh_col", "dx", "dw1", "dw2", "db1", "dprob"):
@@ -151,15 +152,16 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     # the weight cache keeping the weights' BF16 values (autograd.BF16_WEIGHT_VALUES), padded and not
     ("swiglu-zipf-hybrid-bf16w", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     ("gptoss-2880-padded-bf16w", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (), "E4M3"),
-    # the dGLU as its GEMM + the epilogue alone (the default on the GPU for FP8 operands; the other cases on BF16
-    # values run it on the BF16 backend's kernel, gemm.DGLU_VALUES_KERNEL), the epilogue on its chunked kernel
-    # (the default), at GPT-OSS's padded widths too, or on the GEMM kernel
+    # the dGLU as its GEMM + the epilogue alone (the default on the GPU, as the other cases run it too), the
+    # epilogue on its chunked kernel (the default), at GPT-OSS's padded widths too, or on the GEMM kernel
     ("swiglu-balanced-sepdglu", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
     ("gptoss-empty-hybrid-sepdglu", 4096, 512, 256, 16, "gpt_oss_swiglu", True, True, "empty", 100, True, True, (),
      "HYBRID"),
     ("gptoss-2880-padded-sepdglu", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (),
      "E4M3"),
     ("swiglu-balanced-sepdglu-gemm", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
+    # the dGLU on BF16 values fused on the BF16 backend's kernel (gemm.DGLU_VALUES_KERNEL = "bf16")
+    ("swiglu-zipf-hybrid-bf16dglu", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
     # the dGLU on BF16 values as one kernel of this recipe's (gemm.DACT_EPILOGUE = "fused"), h in FP32 and BF16
     ("swiglu-balanced-mxdglu", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, True, True, (), "E4M3"),
     ("swiglu-zipf-hbf16-hybrid-mxdglu", 8192, 512, 256, 32, "swiglu", True, True, "zipf", 9, False, True, (),

@@ -103,13 +103,18 @@ PLAIN_VALUES_KERNEL = "bf16"
 # ``config`` runs this module's kernel with it.
 FC1_VALUES_KERNEL = "bf16"
 # The kernel of the dGLU on BF16 values (dy's values, w2's) where its epilogue is "auto" (``DACT_EPILOGUE``):
+# "mx" = the separate dGLU (this module's plain GEMM routed as above writing da, then ``dglu_epilogue``'s pass);
 # "bf16" = fused on the BF16 backend's persistent grouped GEMM (its dGLU config, 128 x 128 x 64 tiles, the
 # epilogue in two 64-column halves) with this module's quantizing store of dh (:func:`store_mx_gate_up_grads`:
-# rowwise and columnwise, db1 per-tile sums) as that kernel's store, from the FP32 accumulator; "mx" = the
-# separate dGLU (the plain GEMM writing da, then ``dglu_epilogue``'s pass), 1.40 + 0.56 ms at DSv3 (runs 35a,
-# 36a). The route is taken by ``default_config("dact", True)`` (``MXGemmConfig.bf16_kernel``), whose N tile
-# is the route's, since the dprob partials' count is the caller's (one per N tile).
-DGLU_VALUES_KERNEL = "bf16"
+# rowwise and columnwise, db1 per-tile sums) as that kernel's store, from the FP32 accumulator. The same bytes
+# as this module's kernel running the dGLU as one kernel. Run 37b (H100, DSv3, scripts/probe_mx_dglu.py):
+# separate 1.836 ms (GEMM 1.301 + epilogue 0.536); "bf16" 4.394 (4.117-4.549 at 3 stages, not flattened, one
+# program per tile, GROUP_M 16), against 1.680 for the BF16 backend's dGLU writing dh in BF16: the quantizing
+# store of two FP32 halves next to the 128 x 128 accumulator spills (~1 KB of stack offline, sm_90a), and the
+# MLP went 18.14 -> 20.14 ms. Kept as the measured alternative. The route is taken by
+# ``default_config("dact", True)`` (``MXGemmConfig.bf16_kernel``), whose N tile is the route's, since the dprob
+# partials' count is the caller's (one per N tile).
+DGLU_VALUES_KERNEL = "mx"
 # The dtype of da for the separate dGLU epilogue. None: h's dtype (x's unless block_scaled.H_DTYPE
 # says otherwise), as TE's dgrad GEMM writes BF16 for its dGLU kernel; torch.float32: the FP32
 # accumulator, the same values through the same code as the fused kernel, so the same bytes as it.
@@ -153,8 +158,9 @@ def default_config(kind: str, bf16_operands: bool = False) -> MXGemmConfig:
     if interpreting():  # the GPU's tile shapes
         return MXGemmConfig(block_n=64, group_m=2, num_warps=4, num_stages=1,
                             expand_bf16=EXPAND_BF16_DEFAULT or bf16_operands, bf16_kernel=dglu_route)
-    if dglu_route:  # the BF16 backend's dGLU tile (the rest is this module's, where the epilogue is not "auto")
-        return MXGemmConfig(block_n=DGLU_VALUES_BLOCK_N, num_warps=8, num_stages=4, expand_bf16=True,
+    if dglu_route:  # the BF16 backend's dGLU tile; 3 stages where this module's kernel runs it (not "auto"): 4
+        # need 262 KB of shared memory at 128 columns (run 37b: the launch failed)
+        return MXGemmConfig(block_n=DGLU_VALUES_BLOCK_N, num_warps=8, num_stages=3, expand_bf16=True,
                             bf16_kernel=True)
     if bf16_operands:
         if kind in ("fc1", "dact"):
