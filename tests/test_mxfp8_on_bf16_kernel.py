@@ -198,6 +198,24 @@ def test_routed_kernels_fit_shared_memory_for_every_output_dtype():
 FC1_CASES = {"swiglu-both-copies": ("swiglu", True, True, True), "srelu-rowwise-only": ("srelu", False, True, False)}
 
 
+def _epilogue_problem() -> tuple:
+    """What the FC1 and dGLU workers share: the routed-launch counter, a fresh generator, the routing
+    (``COUNTS`` + ``PADDING`` rows) and its 128-row schedule, the experts' tile count (the padding group's
+    first tile), F = 128, and the scale stand-ins of BF16 operands (not read)."""
+    import torch
+
+    from te_fused_moe.backends.triton import grouped_gemm
+    from te_fused_moe.backends.triton.mxfp8 import quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    routed = sum(COUNTS)
+    rows = routed + PADDING
+    sched = build_schedule(torch.tensor(COUNTS, dtype=torch.int32), rows, Q.TILE)
+    return (_count_routed_launches(grouped_gemm), _fresh_generator(), torch.tensor(COUNTS, dtype=torch.int32), routed,
+            len(COUNTS), 128, rows, sched, int(sched[len(COUNTS)]), torch.zeros(1, 1, dtype=torch.uint8),
+            torch.zeros(1, 1, 1, dtype=torch.uint8))
+
+
 def _fc1_worker():
     """FC1 on BF16 values on both kernels (``gemm.FC1_VALUES_KERNEL``), from the same random inputs into
     poisoned buffers: h and a's copies compared bytewise, unwritten elements counted, h against FP64, a's
@@ -208,17 +226,9 @@ def _fc1_worker():
     from block_scaled_checks import far_from_fp64, poison_alloc, unwritten
 
     from te_fused_moe.activations import get_activation
-    from te_fused_moe.backends.triton import grouped_gemm
     from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule
 
-    calls, g = _count_routed_launches(grouped_gemm), _fresh_generator()
-    counts = torch.tensor(COUNTS, dtype=torch.int32)
-    routed, experts, ffn = sum(COUNTS), len(COUNTS), 128
-    rows = routed + PADDING
-    sched = build_schedule(counts, rows, Q.TILE)
-    tiles = int(sched[len(COUNTS)])  # the padding group's first tile: the experts' tiles before it
-    no_scale_a, no_scale_b = torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1, 1, dtype=torch.uint8)
+    calls, g, counts, routed, experts, ffn, rows, sched, tiles, no_scale_a, no_scale_b = _epilogue_problem()
     report = {"shipped": gemm.FC1_VALUES_KERNEL}
     shipped = gemm.FC1_VALUES_KERNEL
     try:
@@ -274,10 +284,16 @@ def fc1_results():
 @pytest.mark.parametrize("case", list(FC1_CASES))
 def test_fc1_on_both_kernels_matches_fp64_and_writes_every_element(fc1_results, case):
     assert fc1_results["shipped"] == "bf16", fc1_results  # the default since run 36
+    assert_both_kernels_right(fc1_results, case, ("h_far", "a_far"))
+
+
+def assert_both_kernels_right(results: dict, case: str, far_keys: tuple) -> None:
+    """Each kernel's run of ``case``: the routed one launched the BF16 backend's kernel once and MXFP8's
+    none, no output far from FP64 (``far_keys``), every element written, zeros on the padding rows."""
     for kernel, calls in (("bf16", 1), ("mx", 0)):
-        r = fc1_results[f"{case}_{kernel}"]
+        r = results[f"{case}_{kernel}"]
         assert r["routed_calls"] == calls, (kernel, r)
-        assert r["h_far"] == 0 and r["a_far"] == 0 and r["unwritten"] == 0, (kernel, r)
+        assert all(r[key] == 0 for key in far_keys) and r["unwritten"] == 0, (kernel, r)
         assert r["padding_rows_nonzero"] == 0, (kernel, r)
 
 
@@ -319,18 +335,11 @@ def _dglu_worker():
     from block_scaled_checks import poison_alloc, unwritten
 
     from te_fused_moe.activations import get_activation
-    from te_fused_moe.backends.triton import grouped_gemm
     from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
-    from te_fused_moe.backends.triton.schedule import build_schedule, max_m_tiles
+    from te_fused_moe.backends.triton.schedule import max_m_tiles
 
-    calls, g = _count_routed_launches(grouped_gemm), _fresh_generator()
-    counts = torch.tensor(COUNTS, dtype=torch.int32)
-    routed, experts, ffn = sum(COUNTS), len(COUNTS), 128
-    rows = routed + PADDING
-    sched = build_schedule(counts, rows, Q.TILE)
-    tiles = int(sched[len(COUNTS)])  # the padding group's first tile: the experts' tiles before it
+    calls, g, counts, routed, experts, ffn, rows, sched, tiles, no_scale_a, no_scale_b = _epilogue_problem()
     m_tiles = max_m_tiles(rows, experts, Q.TILE)
-    no_scale_a, no_scale_b = torch.zeros(1, 1, dtype=torch.uint8), torch.zeros(1, 1, 1, dtype=torch.uint8)
     report = {"shipped": gemm.DGLU_VALUES_KERNEL, "shipped_takes_route": gemm.default_config("dact", True).bf16_kernel}
     gemm.DGLU_VALUES_KERNEL = "bf16"  # this process's: the default config then takes the route
     route = gemm.default_config("dact", True)
@@ -387,11 +396,7 @@ def dglu_results():
 def test_dglu_on_both_kernels_matches_fp64_and_writes_every_element(dglu_results, case):
     assert dglu_results["shipped"] == "mx" and not dglu_results["shipped_takes_route"], dglu_results  # run 37b
     assert dglu_results["default_takes_route"], dglu_results
-    for kernel, calls in (("bf16", 1), ("mx", 0)):
-        r = dglu_results[f"{case}_{kernel}"]
-        assert r["routed_calls"] == calls, (kernel, r)
-        assert r["dh_far"] == 0 and r["dprob_far"] == 0 and r["unwritten"] == 0, (kernel, r)
-        assert r["padding_rows_nonzero"] == 0, (kernel, r)
+    assert_both_kernels_right(dglu_results, case, ("dh_far", "dprob_far"))
 
 
 @pytest.mark.parametrize("case", list(DGLU_CASES))
