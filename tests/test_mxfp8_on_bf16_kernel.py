@@ -402,3 +402,30 @@ def test_dglu_on_both_kernels_matches_fp64_and_writes_every_element(dglu_results
 @pytest.mark.parametrize("case", list(DGLU_CASES))
 def test_dglu_on_both_kernels_writes_the_same_bytes(dglu_results, case):
     assert dglu_results[f"{case}_bitwise_equal"], dglu_results
+
+
+def test_dglu_route_refuses_what_it_cannot_run():
+    """A config asking for the dGLU on the BF16 backend's kernel with an FP8 operand or without dh's copies:
+    a ValueError naming the config, raised before any launch (plain CPU tensors)."""
+    import dataclasses
+
+    import torch
+
+    from te_fused_moe.backends.triton.mxfp8 import gemm, quantize as Q
+    from te_fused_moe.backends.triton.schedule import build_schedule
+
+    rows, k, ffn, experts = 256, 256, 128, 2
+    sched = build_schedule(torch.tensor([100, 156], dtype=torch.int32), rows, Q.TILE)
+    cfg = dataclasses.replace(gemm.default_config("dact", True), block_n=128, bf16_kernel=True, epilogue="auto")
+    values = torch.randn(rows, k).bfloat16()
+    w2t = torch.randn(experts, ffn, k).bfloat16()
+    h = torch.randn(rows, 2 * ffn).bfloat16()
+    q = Q.new_rows(rows, 2 * ffn, h, Q.MXSpec(), experts, True, False, row_values=True)
+    scales = torch.full((rows, k // 32), 127, dtype=torch.uint8)
+    codes = values.float().to(torch.float8_e4m3fn)
+    no_scale = torch.zeros(1, 1, 1, dtype=torch.uint8)
+    common = dict(q_up_offset=ffn, h=h, h_up_offset=ffn, gated=True, config=cfg)
+    with pytest.raises(ValueError, match="bf16_kernel.*both operands as BF16 values"):
+        gemm.launch("dact", codes, scales, w2t, no_scale, ffn, sched, experts, Q.MXSpec(), q=q, **common)
+    with pytest.raises(ValueError, match="bf16_kernel needs dh's quantized copies"):
+        gemm.launch("dact", values, scales, w2t, no_scale, ffn, sched, experts, Q.MXSpec(), q=None, **common)

@@ -72,8 +72,9 @@ EXPAND_BF16_DEFAULT = True
 USE_TMA_DEFAULT = True
 # How the dGLU runs: "fused" = one kernel; "separate" = this module's plain GEMM writes da ([T, F],
 # transient, in EPILOGUE_INPUT_DTYPE), then the same kernel with ``ACC_IN`` runs the dGLU + quantize
-# epilogue alone; "auto" (the default) = on BF16 values with the default config, fused on the BF16 backend's
-# kernel (``DGLU_VALUES_KERNEL``), else separate on CUDA (fused under the interpreter). At DSv3 on the H200 the fused dGLU takes 2.84 ms against 1.63 ms for its GEMM alone; separate,
+# epilogue alone; "auto" (the default) = separate on CUDA, fused under the interpreter (with
+# ``DGLU_VALUES_KERNEL = "bf16"``, on BF16 values: fused on the BF16 backend's kernel). At DSv3 on the H200
+# the fused dGLU takes 2.84 ms against 1.63 ms for its GEMM alone; separate,
 # 2.38-2.42 ms (runs 17d-e), and the MXFP8 MLP 20.99 ms vs 21.26 fused (1.14x its unfused path vs
 # 1.11x). FC1 stays fused: 3.25 ms fused vs 2.98 ms for its GEMM alone leaves nothing for a separate
 # epilogue to win.
@@ -545,6 +546,7 @@ def _fc1_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torc
 
 
 def _check_dglu_route(cfg: MXGemmConfig, bf16_operands: bool, n: int, q) -> None:
+    """What the dGLU on the BF16 backend's kernel needs (``MXGemmConfig.bf16_kernel``)."""
     if not bf16_operands:
         raise ValueError("config: bf16_kernel (the dGLU on the BF16 backend's kernel) needs both operands as BF16 "
                          "values")
