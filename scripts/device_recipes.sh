@@ -33,8 +33,10 @@
 # the BF16 backend's wgrad and cuBLAS (scripts/probe_mx_wgrad.py).
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
-# mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the dGLU on the BF16 backend's kernel (gemm.DGLU_VALUES_KERNEL)
-# and separate, and unfused, interleaved rounds, no kernel table. ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
+# mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
+# backend's kernel (gemm.DGLU_VALUES_KERNEL = "bf16"), and unfused, interleaved rounds, no kernel table (run 37b
+# ran it with the route as the default: its "mxfp8_fused" row is the route, "mxfp8_fused_separate_dglu" the
+# separate dGLU, the variant's name then). ring_debug: RING_SCALES' bitwise test at K = 4096 (the scalar box within the
 # weight scales' width), then at K = 512 under compute-sanitizer's memcheck where the image has it.
 # ring_bisect: RING_SCALES' plain GEMM in a process per variant (the consumers' shared-memory reads of the scales
 # swapped for constants, one or both; the scalar's descriptor over another tensor or with a wider box;
@@ -135,7 +137,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                     bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_fc1_mx_kernel --out "$OUT/recipes_mxfp8_fc1";;
     mx_dglu_bench) step recipes_mxfp8_dglu "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
-                    bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_separate_dglu --out "$OUT/recipes_mxfp8_dglu";;
+                    bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_dglu_bf16_kernel --out "$OUT/recipes_mxfp8_dglu";;
     mx_wgrad_probe) step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad";;
     mx_fc1_probe) step probe_mx_fc1 "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_fc1.py --out "$OUT/probe_mx_fc1";;
     mx_dglu_probe) step probe_mx_dglu "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_dglu.py --out "$OUT/probe_mx_dglu";;
