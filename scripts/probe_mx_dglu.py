@@ -6,8 +6,8 @@ kernel (``"chunks"``, ``dglu_epilogue``, the default since run 34) at a few laun
 checked by the MXFP8 tests.
 
 Then the dGLU fused on the BF16 backend's persistent kernel with MXFP8's quantizing store of dh
-(``gemm.DGLU_VALUES_KERNEL = "bf16"``, the default config's route) at its shipped config and a few changes of
-it (``gemm.dglu_values_config``), and that kernel's own dGLU writing dh in BF16 (no quantize) for scale.
+(``gemm.DGLU_VALUES_KERNEL = "bf16"``, opt-in since run 37b) at its config and a few changes of it
+(``gemm.dglu_values_config``), and that kernel's own dGLU writing dh in BF16 (no quantize) for scale.
 
 Why: run 33d measured the MLP 0.57 ms slower with the chunked epilogue than with the GEMM kernel's,
 though its offline build has 40% fewer instructions per element; run 34 timed the epilogues alone (the
@@ -47,9 +47,10 @@ def run() -> dict:
     w2t = torch.randn(EXPERTS, FFN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02  # w2's transposed copy
     h = torch.randn(ROUTED, 2 * FFN, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(ROUTED, device="cuda")
-    route = gemm.default_config("dact", True)
-    # the separate dGLU at its config before the route (64-column tiles: the dprob partials' width)
-    separate = replace(route, bf16_kernel=False, block_n=64, num_stages=4)
+    separate = gemm.default_config("dact", True)  # the shipped dGLU's config (64-column tiles)
+    shipped_route, gemm.DGLU_VALUES_KERNEL = gemm.DGLU_VALUES_KERNEL, "bf16"
+    route = gemm.default_config("dact", True)  # the route's (bf16_kernel: 128 columns, the dprob partials' width)
+    gemm.DGLU_VALUES_KERNEL = shipped_route
     dbias = torch.empty(max_m_tiles(ROUTED, EXPERTS, Q.TILE), 2 * FFN, device="cuda")
 
     def dglu(cfg=separate):

@@ -235,7 +235,7 @@ def _dact_part(da, cols, rows64, row_ok, N, p, is_padding, tile, h_ptr, stride_h
 @triton.jit
 def store_mx_activation(value, rows64, row_ok, cols, col_ok, tile, c_ptr, stride_cm, q, CONSTS: tl.constexpr,
                         UPCAST: tl.constexpr):
-    """The BF16 backend's FC1 epilogue storing ``a`` [BM, BN] MXFP8-quantized (its ``A_STORE``, see
+    """The BF16 backend's FC1 epilogue storing ``a`` [BM, BN] MXFP8-quantized (its ``EPI_STORE``, see
     ``grouped_gemm.launch_scheduled``): rowwise and / or columnwise into the tile's slot (:func:`store_mx`),
     in two halves of the columns, as this module's SPLIT_EPILOGUE (1x32 blocks never span them, and half
     the FP32 state is live next to the quantize). ``q``: ``copies_arguments``' run; ``CONSTS``: (ROWWISE,
@@ -245,10 +245,8 @@ def store_mx_activation(value, rows64, row_ok, cols, col_ok, tile, c_ptr, stride
     HALF: tl.constexpr = value.shape[1] // 2
     lo, hi = column_halves(value, BM, HALF)
     cols_lo = tl.min(cols, axis=0) + tl.arange(0, HALF)
-    store_mx(lo, rows64, row_ok, cols_lo, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], CONSTS[0],
-             CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, HALF)
-    store_mx(hi, rows64, row_ok, cols_lo + HALF, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8],
-             CONSTS[0], CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, HALF)
+    _store_mx_packed(lo, rows64, row_ok, cols_lo, tile, q, CONSTS, BM, HALF)
+    _store_mx_packed(hi, rows64, row_ok, cols_lo + HALF, tile, q, CONSTS, BM, HALF)
 
 
 @triton.jit
@@ -268,11 +266,18 @@ def store_mx_gate_up_grads(dg, du, rows64, row_ok, cols, mask, is_padding, tile,
         tl.store(db_ptrs, tl.sum(tl.where(mask, dg, 0.0), axis=0))
         if GATED:
             tl.store(db_ptrs + q[9], tl.sum(tl.where(mask, du, 0.0), axis=0))
-    store_mx(tl.where(is_padding, 0.0, dg), rows64, row_ok, cols, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6],
-             q[7], q[8], CONSTS[0], CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, BN)
+    _store_mx_packed(tl.where(is_padding, 0.0, dg), rows64, row_ok, cols, tile, q, CONSTS, BM, BN)
     if GATED:
-        store_mx(tl.where(is_padding, 0.0, du), rows64, row_ok, cols + q[9], tile, q[0], q[1], q[2], q[3], q[4],
-                 q[5], q[6], q[7], q[8], CONSTS[0], CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, BN)
+        _store_mx_packed(tl.where(is_padding, 0.0, du), rows64, row_ok, cols + q[9], tile, q, CONSTS, BM, BN)
+
+
+@triton.jit
+def _store_mx_packed(v, rows64, row_ok, cols, tile, q, CONSTS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """:func:`store_mx` with its buffers and formats packed as the BF16 kernel's store hooks get them: ``q``
+    starting with ``copies_arguments``' nine, ``CONSTS`` with (ROWWISE, COLWISE, MANT, EBIAS, FP8_MAX,
+    MAX_NORM_RCP)."""
+    store_mx(v, rows64, row_ok, cols, tile, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], CONSTS[0],
+             CONSTS[1], CONSTS[2], CONSTS[3], CONSTS[4], CONSTS[5], BM, BN)
 
 
 @triton.jit
