@@ -25,13 +25,14 @@ from probe_results import run_and_save
 
 # (columns per program, warps, unroll factor of the loop over a tile's chunks, register cap): run 34 timed 64 /
 # 128 columns at 4 / 8 warps, unrolled (4) and not (1); run 36a the 4-warp launch capped at 168 / 128 registers
-# (0.697 / 0.613 ms against 0.666) and 2 warps (0.559, shipped since). These: the shipped launch, and 128
-# columns (the width where the dGLU's tiles are 128 wide)
-CHUNK_CONFIGS = [(64, 2, 1, None), (128, 2, 1, None)]
-# changes of the route's config (128 x 128 x 64, 4 stages, persistent, flattened): offline (sm_90a) the
-# shipped one builds to 255 registers with ~1 KB of stack, the quantizing store in the flattened loop
-ROUTE_VARIANTS = {"shipped": {}, "stages3": dict(num_stages=3), "not_flattened": dict(flatten=False),
-                  "one_program_per_tile": dict(persistent=False), "group_m16": dict(group_m=16)}
+# (0.697 / 0.613 ms against 0.666) and 2 warps (0.559, shipped since); run 37b 128 columns at 2 warps. These:
+# the shipped launch (255 registers offline: four programs per SM) capped at 168 (40 stack bytes offline, six
+# programs) and 128 (216 bytes, eight)
+CHUNK_CONFIGS = [(64, 2, 1, None), (64, 2, 1, 168), (64, 2, 1, 128)]
+# changes of the route's config (128 x 128 x 64, 3 stages, persistent, flattened): offline (sm_90a) it builds
+# to 255 registers with ~1 KB of stack, the quantizing store in the flattened loop. Run 37b timed 4 stages, not
+# flattened, one program per tile and GROUP_M 16 (4.117-4.556 ms against the separate dGLU's 1.836)
+ROUTE_VARIANTS = {"shipped": {}}
 
 
 def run() -> dict:

@@ -1,10 +1,11 @@
 """MXFP8's two weight gradients at DSv3 as the values path runs them (both columnwise copies as BF16
 values, ``[width, 128 * tiles]``, 32768 routed rows balanced over 32 experts: 1024 tokens each) on its
-wgrad kernel at the shipped config and at fewer tokens per step (``wgrad.MXWgradConfig.block_t``) with a
-few stage and warp counts, against the BF16 backend's wgrad (``wgrad.grouped_wgrad``) on the same values
-token-major and ``torch._grouped_mm`` (cuBLAS) on them. A measurement tool, not a test: it prints ms,
-TFLOP/s and each output's largest difference from the shipped config's (the same exact products summed in
-another order).
+wgrad kernel at the shipped config and a variant, then with X (the copy kept for backward) read as the
+FP8 codes it was saved as and expanded in the K loop (``autograd.X_CODES_IN_WGRAD``) at a few configs,
+next to the expansion pass that this replaces, against the BF16 backend's wgrad (``wgrad.grouped_wgrad``)
+on the same values token-major and ``torch._grouped_mm`` (cuBLAS) on them. A measurement tool, not a
+test: it prints ms, TFLOP/s and each output's largest difference from the shipped config's (the same
+exact products summed in another order).
 
 Why: the two wgrads take ~5.8 ms of the MXFP8 MLP's 18.5 (run 36c, ~500 TFLOP/s on an H100) in both
 paths. At the shipped 128 tokens a step each program runs 8 steps, so the pipeline's fill and the tile's
@@ -23,10 +24,16 @@ from probe_results import run_and_save
 
 # name -> (N, K): dW [E, N, K] = G_e^T @ X_e with G [ROUTED, N], X [ROUTED, K]
 SHAPES = {"dw1": (2 * FFN, HIDDEN), "dw2": (HIDDEN, FFN)}
-# changes of the shipped BF16-valued config (128 x 128 tiles, 128 tokens a step, 3 stages, 8 warps)
-VARIANTS = {"t64_s3": dict(block_t=64), "t64_s4": dict(block_t=64, num_stages=4),
-            "t64_s3_w4": dict(block_t=64, num_warps=4), "t32_s4": dict(block_t=32, num_stages=4),
-            "t64_s3_group16": dict(block_t=64, group_n=16), "s2": dict(num_stages=2)}
+# changes of the shipped BF16-valued config (128 x 128 tiles, 64 tokens a step since run 37a, 3 stages, 8 warps);
+# run 37a timed 128 tokens, 4 stages, 4 warps, GROUP_N 16, 32 tokens and 2 stages
+VARIANTS = {"group16": dict(group_n=16)}
+# X (the copy kept for backward: x for dW1, a for dW2) as the FP8 codes it was saved as, expanded in the K loop
+# (autograd.X_CODES_IN_WGRAD), against the shipped values path (its expansion pass + the wgrad): through shared
+# memory or as the wgmma's A operand (MXWgradConfig.x_as_a), at a few token steps and stage counts
+X_CODES_VARIANTS = {"x_codes": {}, "x_codes_as_a": dict(x_as_a=True), "x_codes_s4": dict(num_stages=4),
+                    "x_codes_as_a_s4": dict(x_as_a=True, num_stages=4), "x_codes_t128": dict(block_t=128, num_stages=2),
+                    "x_codes_as_a_t128": dict(x_as_a=True, block_t=128, num_stages=2),
+                    "x_codes_t32_s4": dict(block_t=32, num_stages=4)}
 
 
 def run() -> dict:
@@ -36,7 +43,7 @@ def run() -> dict:
     from te_fused_moe.backends.triton.mxfp8 import quantize as Q, wgrad
     from te_fused_moe.bench import do_bench_ms
 
-    counts, sched, _, _, _, out = balanced_problem()
+    counts, sched, spec, _, _, out = balanced_problem()
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     shipped = wgrad.default_config(True)
     for name, (n, k) in SHAPES.items():
@@ -45,9 +52,12 @@ def run() -> dict:
         # the columnwise copies' layout: each 128-token tile in its slot, balanced experts fill theirs whole
         g = Q.MXRows(data_t=Q.new_transposed(n, ROUTED, EXPERTS, g_rows, torch.bfloat16, torch.zeros),
                      scale_t=Q.new_col_scales(n, ROUTED, EXPERTS, g_rows, torch.zeros))
-        x = Q.MXRows(data_t=Q.new_transposed(k, ROUTED, EXPERTS, x_rows, torch.bfloat16, torch.zeros),
-                     scale_t=Q.new_col_scales(k, ROUTED, EXPERTS, x_rows, torch.zeros))
-        g.data_t[:, :ROUTED], x.data_t[:, :ROUTED] = g_rows.t(), x_rows.t()
+        # X's columnwise copy as saved (FP8 codes) and as the values path reads it (expanded by a pass)
+        x_codes = Q.quantize_rows(x_rows, sched, EXPERTS, spec, rowwise=False, colwise=True)
+        expand_x = lambda: Q.expand_values(x_codes.data_t, x_codes.scale_t.t())
+        x = Q.MXRows(data_t=expand_x(), scale_t=x_codes.scale_t)
+        x_rows = x.data_t[:, :ROUTED].t().contiguous()  # the values, token-major, for the other kernels
+        g.data_t[:, :ROUTED] = g_rows.t()
         flops = 2.0 * ROUTED * n * k
         entry = {}
 
@@ -66,6 +76,11 @@ def run() -> dict:
             dw = torch.full((EXPERTS, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
             cfg = replace(shipped, **change)
             record(label, lambda: wgrad.mx_grouped_wgrad(g, x, sched, dw, config=cfg), dw, ref)
+        record("expand_x_pass", expand_x)
+        for label, change in X_CODES_VARIANTS.items():
+            dw = torch.full((EXPERTS, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+            cfg = replace(shipped, **change)
+            record(label, lambda: wgrad.mx_grouped_wgrad(g, x_codes, sched, dw, config=cfg), dw, ref)
         dw = torch.empty(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
         # (it reads only the experts' row ranges from the schedule, whatever its tile height)
         record("bf16_backend_wgrad", lambda: bf16_wgrad.grouped_wgrad(g_rows, x_rows, sched, dw), dw, ref)

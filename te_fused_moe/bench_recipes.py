@@ -334,7 +334,13 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       # the dGLU on BF16 values fused on the BF16 backend's persistent kernel with this recipe's
                       # quantizing store of dh (gemm.DGLU_VALUES_KERNEL = "bf16") instead of its GEMM + the chunked
                       # epilogue alone (run 37b: 20.14 against 18.14 ms)
-                      "mxfp8_fused_dglu_bf16_kernel": _fused_under("mxfp8", gemm=dict(DGLU_VALUES_KERNEL="bf16"))},
+                      "mxfp8_fused_dglu_bf16_kernel": _fused_under("mxfp8", gemm=dict(DGLU_VALUES_KERNEL="bf16")),
+                      # the wgrads reading x's and a's columnwise copies as the FP8 codes they were saved as,
+                      # expanded in their K loops (autograd.X_CODES_IN_WGRAD) through shared memory or as the
+                      # wgmma's A operand (wgrad.X_CODES_AS_A), instead of an expansion pass before each
+                      "mxfp8_fused_x_codes_in_wgrad": _fused_under("mxfp8", autograd=dict(X_CODES_IN_WGRAD=True)),
+                      "mxfp8_fused_x_codes_in_wgrad_as_a": _fused_under(
+                          "mxfp8", autograd=dict(X_CODES_IN_WGRAD=True), wgrad=dict(X_CODES_AS_A=True))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

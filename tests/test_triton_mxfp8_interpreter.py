@@ -99,6 +99,12 @@ MLP_CASES = [
     ("gptoss-ptr-hybrid-hbf16-fc1mx", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (),
      "HYBRID"),
     ("srelu-frozenw2-fc1mx", 260, 128, 128, 2, "srelu", False, True, "balanced", 0, True, True, ("w2",), "E4M3"),
+    # the wgrads reading x's and a's columnwise copies as the FP8 codes they were saved as, expanded in their K
+    # loops (autograd.X_CODES_IN_WGRAD), through shared memory or as the wgmma's A operand (wgrad.X_CODES_AS_A),
+    # TMA and pointer loads, and on the zero-padded path
+    ("swiglu-empty-pad-hybrid-xcodes", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "HYBRID"),
+    ("gptoss-ptr-hbf16-xcodesa", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (), "E4M3"),
+    ("padded-swiglu-xcodesa", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
@@ -392,6 +398,45 @@ def check_weight_reads(device: str) -> dict:
     return out
 
 
+def check_saved_codes_in_wgrad(device: str, as_a: bool, seed: int = 23) -> dict:
+    """The MLP's forward + backward with ``X_CODES_IN_WGRAD`` off and on (``wgrad.X_CODES_AS_A`` = ``as_a``), on
+    the same random problem (HYBRID, bias, probs, an empty expert, padding rows): the activation expansion
+    passes each ran (2 off: x's and a's columnwise copies; 0 on) and how many elements of each gradient differ
+    (none may: the wgrads multiply the same values in the same order, the other kernels are the same)."""
+    from moe_reference import random_problem
+
+    from te_fused_moe import fused_moe_mlp
+    from te_fused_moe.backends.triton.mxfp8 import wgrad
+    from te_fused_moe.recipes import Format, MXFP8BlockScaling
+
+    p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, bias=True, probs=True, routing="empty",
+                       padding=5, seed=seed)
+    dy = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed + 1)).to(device=device,
+                                                                                   dtype=torch.bfloat16)
+    out, results = {}, {}
+    shipped, wgrad.X_CODES_AS_A = wgrad.X_CODES_AS_A, as_a
+    try:
+        for flag in (False, True):
+            with _expansions_counted(X_CODES_IN_WGRAD=flag) as dims:
+                leaves = {k: p[k].detach().clone().requires_grad_() for k in ("x", "w1", "w2", "b1", "b2", "probs")}
+                y = fused_moe_mlp(leaves["x"], p["tokens_per_expert"], leaves["w1"], leaves["w2"], b1=leaves["b1"],
+                                  b2=leaves["b2"], probs=leaves["probs"], activation="swiglu",
+                                  recipe=MXFP8BlockScaling(fp8_format=Format.HYBRID), backend="triton")
+                y.backward(dy)
+                results[flag] = {"y": y.detach(), **{k: t.grad for k, t in leaves.items()}}
+                out[f"activation_expansions_{flag}"] = dims.count(2)
+    finally:
+        wgrad.X_CODES_AS_A = shipped
+    out["bad"] = {k: _diff8(results[False][k], results[True][k]) for k in results[False]}
+    out["nan"] = sum(int(torch.isnan(t).sum()) for t in results[True].values())
+    return out
+
+
+def assert_saved_codes_in_wgrad(r: dict) -> None:
+    assert r["activation_expansions_False"] == 2 and r["activation_expansions_True"] == 0, r
+    assert all(v == 0 for v in r["bad"].values()) and r["nan"] == 0, r
+
+
 def check_values_in_pass(device: str, seed: int = 21) -> dict:
     """The MLP's forward + backward with ``QUANTIZE_TO_VALUES`` on and off, on the same random problem
     (HYBRID: E5M2 gradients; bias, probs, an empty expert, padding rows): the same bits in y and in the
@@ -438,7 +483,7 @@ def assert_values_in_pass(r: dict) -> None:
 def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: str = "e4m3",
                         T: int = 300, H: int = 256, epilogue=None, plain=None, wgrad=None, values: bool = False,
                         h_dtype: torch.dtype = torch.float32, written_values: bool = False,
-                        dglu_kernel: str = None, dglu_route: bool = False) -> dict:
+                        dglu_kernel: str = None, dglu_route: bool = False, saved_codes: bool = False) -> dict:
     """Integer operands in [-3, 3]: quantization is exact (amax <= 3 gives an E8M0 scale with
     3 * 2^(127 - e) representable), GEMM sums are small integers (exact in any order, also in the
     FP8 wgmma), so every kernel output has one right answer. ``srelu`` keeps the epilogue math to
@@ -452,7 +497,9 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     the shipped one). ``dglu_route``: the dGLU at its own default config with ``gemm.DGLU_VALUES_KERNEL =
     "bf16"`` (on BF16 values: fused on the BF16 backend's kernel); else it runs FC1's config.
     ``h_dtype`` BF16: h is saved rounded (FC1, one kernel, acts on the FP32 sums); the dGLU reads
-    that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too."""
+    that h, and a separate dGLU epilogue reads ``da`` rounded to BF16 too. ``saved_codes`` (with ``values``):
+    the wgrads take x's and a's columnwise copies as FP8 codes next to the gradients' values and expand
+    them in their K loops (``autograd.X_CODES_IN_WGRAD``)."""
     import dataclasses
 
     from moe_reference import make_counts
@@ -508,8 +555,9 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
                 E, spec, c=dx, config=pcfg)
     dw1 = poisoned(torch.empty(E, n1, H, device=device, dtype=torch.bfloat16))
     dw2 = poisoned(torch.empty(E, H, F, device=device, dtype=torch.bfloat16))
-    mx_grouped_wgrad(cols(dyq), cols(aq), sched, dw2, config=wcfg)
-    mx_grouped_wgrad(cols(dhq), cols(xq), sched, dw1, config=wcfg)
+    saved = (lambda q: q) if saved_codes else cols
+    mx_grouped_wgrad(cols(dyq), saved(aq), sched, dw2, config=wcfg)
+    mx_grouped_wgrad(cols(dhq), saved(xq), sched, dw1, config=wcfg)
     db1 = poisoned(torch.empty(E, n1, device=device, dtype=torch.float32))
     tile_sums_to_experts(dbias, sched, db1)
     gemm.USE_TMA_DEFAULT, gemm.SEPARATE_DGLU_KERNEL, gemm.DGLU_VALUES_KERNEL = True, shipped_dglu, shipped_route
@@ -539,6 +587,7 @@ def check_kernels_exact(device: str, seed: int = 0, use_tma: bool = True, fmt: s
     ra, rdh = qz(a32, 1), qz(dg32, 1)
     bad["a_row"] = _copy_bad(aq.data, ra) + _diff8(aq.scale, ra.scale)
     bad["dh_row"] = _copy_bad(dhq.data, rdh) + _diff8(dhq.scale, rdh.scale)
+    bad["wgrad_codes_operands"] = sum(saved(q).data_t.dtype != torch.bfloat16 for q in (aq, xq))
     bad["written_values"] = sum(t.dtype == torch.bfloat16 for t in (xq.data, aq.data, dyq.data, dyq.data_t, dhq.data,
                                                                      dhq.data_t))
     deq = lambda q: ref.dequantize(q, torch.float64)
@@ -586,7 +635,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     from block_scaled_checks import compare_with_reference
     from moe_reference import random_problem
 
-    from te_fused_moe.backends.triton.mxfp8 import autograd, gemm
+    from te_fused_moe.backends.triton.mxfp8 import autograd, gemm, wgrad
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
     case_id, T, H, F, E, act, bias, probs, routing, padding, h_fp32, tma, frozen, fmt = case[:14]
@@ -610,6 +659,9 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     gemm.PLAIN_VALUES_KERNEL = "bf16" if "-bf16plain" in case_id else "mx" if "-mxplain" in case_id else plain
     fc1 = gemm.FC1_VALUES_KERNEL
     gemm.FC1_VALUES_KERNEL = "bf16" if "-fc1bf16" in case_id else "mx" if "-fc1mx" in case_id else fc1
+    # the wgrads reading the saved columnwise copies as FP8 codes ("-xcodes"), as the wgmma's A operand ("-xcodesa")
+    x_codes, autograd.X_CODES_IN_WGRAD = autograd.X_CODES_IN_WGRAD, "-xcodes" in case_id
+    as_a, wgrad.X_CODES_AS_A = wgrad.X_CODES_AS_A, "-xcodesa" in case_id
     try:
         return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
                                       gemm, tma, triton_context)
@@ -618,6 +670,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
         autograd.QUANTIZE_TO_VALUES = written
         gemm.SEPARATE_DGLU_KERNEL, gemm.PLAIN_VALUES_KERNEL = dglu_kernel, plain
+        autograd.X_CODES_IN_WGRAD, wgrad.X_CODES_AS_A = x_codes, as_a
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
 
@@ -702,17 +755,21 @@ def sm90_build_report() -> dict:
                                   UNROLL=D.UNROLL),
                              D.WARPS, 1, D.MAXNREG)
     # (and the BF16-valued wgrad at a tile slot and at 64 tokens a step, W.MXWgradConfig.block_t: two programs
-    # per SM, the default since run 37a)
-    for values, block_t in ((False, None), (True, None), (True, 64)):
+    # per SM, the default since run 37a; then with x's FP8 codes expanded in its K loop, autograd.X_CODES_IN_WGRAD,
+    # into shared memory or as the wgmma's A operand)
+    for values, block_t, x_codes, x_as_a in ((False, None, False, False), (True, None, False, False),
+                                             (True, 64, False, False), (True, 64, True, False), (True, 64, True, True)):
         wcfg = dataclasses.replace(W.default_config(values), block_t=block_t)
         bt = block_t or (128 if wcfg.expand_bf16 else 32)
-        g_dt, x_dt = ("bf16", "bf16") if values else ("fp8e5", "fp8e4nv")
-        report[("wgrad_values" if values else "wgrad") + (f"_t{block_t}" if block_t else "")] = build(
+        g_dt, x_dt = ("bf16", "fp8e4nv" if x_codes else "bf16") if values else ("fp8e5", "fp8e4nv")
+        name = ("wgrad_values" if values else "wgrad") + (f"_t{block_t}" if block_t else "")
+        report[name + ("_x_codes" if x_codes else "") + ("_as_a" if x_as_a else "")] = build(
             W.mx_wgrad_kernel, dict(g_src=f"tensordesc<{g_dt}[{wcfg.block_n}, {bt}]>",
                                     x_src=f"tensordesc<{x_dt}[{wcfg.block_k}, {bt}]>", gs_ptr="*u8", xs_ptr="*u8",
                                     dw_ptr="*bf16", sched_ptr="*i32"),
             dict(USE_TMA=True, UPCAST=False, EXPAND=wcfg.expand_bf16, BF16=values, BN=wcfg.block_n, BK=wcfg.block_k,
-                 BT=bt, TILE_M=128, MX_BLOCK=32, GROUP_N=wcfg.group_n), wcfg.num_warps, wcfg.num_stages)
+                 BT=bt, TILE_M=128, MX_BLOCK=32, GROUP_N=wcfg.group_n, X_CODES=x_codes, X_AS_A=x_as_a),
+            wcfg.num_warps, wcfg.num_stages)
     report["expand"] = build(Q.expand_kernel, dict(q_ptr="*fp8e4nv", s_ptr="*u8", v_ptr="*bf16"),
                              dict(UPCAST=False, BLK=128))
     for name, qt in (("quantize_rows", "*u8"), ("quantize_rows_values", "*bf16")):
@@ -737,6 +794,7 @@ def _worker() -> None:
         "cache": check_weight_cache("cpu"),
         "weight_reads": check_weight_reads("cpu"),
         "values_in_pass": check_values_in_pass("cpu"),
+        "saved_codes_in_wgrad": {as_a: check_saved_codes_in_wgrad("cpu", as_a) for as_a in (False, True)},
         "exact": check_kernels_exact("cpu"),
         "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
         "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
@@ -781,6 +839,15 @@ def _worker() -> None:
         "exact_written_values_ptr_e5m2_dglu_bf16_kernel_bf16_h": check_kernels_exact(
             "cpu", seed=18, use_tma=False, fmt="e5m2", T=200, H=512, values=True, written_values=True,
             h_dtype=torch.bfloat16, dglu_route=True),
+        # the wgrads reading the saved columnwise copies of x and a as FP8 codes, expanded in their K loops
+        # (autograd.X_CODES_IN_WGRAD), into shared memory or as the wgmma's A operand (MXWgradConfig.x_as_a)
+        "exact_written_values_saved_codes_wgrad_t64": check_kernels_exact(
+            "cpu", seed=19, values=True, written_values=True, wgrad=dict(block_t=64), saved_codes=True),
+        "exact_written_values_ptr_e5m2_saved_codes_wgrad_a_t32": check_kernels_exact(
+            "cpu", seed=20, use_tma=False, fmt="e5m2", T=200, H=128, values=True, written_values=True,
+            wgrad=dict(block_t=32, x_as_a=True), saved_codes=True),
+        "exact_values_saved_codes_wgrad_a": check_kernels_exact("cpu", seed=21, values=True, wgrad=dict(x_as_a=True),
+                                                                saved_codes=True),
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("mxfp8", "cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES},
@@ -846,6 +913,11 @@ def test_quantize_passes_write_the_values_their_gemms_read(results):
     assert_values_in_pass(results["values_in_pass"])
 
 
+@pytest.mark.parametrize("as_a", [False, True], ids=["shared", "as_a"])
+def test_wgrads_expand_the_saved_codes_without_a_pass(results, as_a):
+    assert_saved_codes_in_wgrad(results["saved_codes_in_wgrad"][as_a])
+
+
 def assert_weight_reads(r: dict) -> None:
     assert r["weight_expansions_True"] == 0 and r["weight_expansions_False"] == 4, r
     # the activations' expansions do not depend on the flag (none here: only x needs a gradient, and the
@@ -860,7 +932,10 @@ def assert_weight_reads(r: dict) -> None:
                                  "exact_separate_dglu_gemm_kernel", "exact_separate_dglu_chunks_bn128",
                                  "exact_separate_dglu_bf16_h", "exact_values_wgrad_t64", "exact_values_ptr_wgrad_t32",
                                  "exact_values_dglu_bf16_kernel",
-                                 "exact_written_values_ptr_e5m2_dglu_bf16_kernel_bf16_h"])
+                                 "exact_written_values_ptr_e5m2_dglu_bf16_kernel_bf16_h",
+                                 "exact_written_values_saved_codes_wgrad_t64",
+                                 "exact_written_values_ptr_e5m2_saved_codes_wgrad_a_t32",
+                                 "exact_values_saved_codes_wgrad_a"])
 def test_every_kernel_bit_exact_on_integer_data(results, key):
     bad = results[key]
     assert 0 < bad["routed"] < 300, bad  # padding rows covered
@@ -872,6 +947,8 @@ def test_every_kernel_bit_exact_on_integer_data(results, key):
     if key.endswith("bf16_h"):  # the BF16 rounding of h (and da, read by a separate epilogue) moved values
         assert bad["h_rounded"] > 0 and ("separate" not in key or bad["da_rounded"] > 0), bad
     assert bad["dglu_on_bf16_kernel"] == ("dglu_bf16_kernel" in key), bad
+    # x's and a's columnwise copies reach the wgrads as FP8 codes but where an expansion pass read them
+    assert bad["wgrad_codes_operands"] == (0 if "values" in key and "saved_codes" not in key else 2), bad
 
 
 def test_sizes_off_the_tile_run_zero_padded(results):

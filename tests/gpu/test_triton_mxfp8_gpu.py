@@ -66,6 +66,11 @@ def test_quantize_passes_write_the_values_their_gemms_read_gpu():
     checks.assert_values_in_pass(checks.check_values_in_pass("cuda"))
 
 
+@pytest.mark.parametrize("as_a", [False, True], ids=["shared", "as_a"])
+def test_wgrads_expand_the_saved_codes_without_a_pass_gpu(as_a):
+    checks.assert_saved_codes_in_wgrad(checks.check_saved_codes_in_wgrad("cuda", as_a))
+
+
 @pytest.mark.parametrize("tma,fmt,dglu", [(True, "e4m3", "fused"), (False, "e5m2", "separate")],
                          ids=["tma", "ptr-e5m2-dglu-separate"])
 def test_written_values_exact_on_integer_data_gpu(tma, fmt, dglu):
@@ -178,6 +183,13 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
      "HYBRID"),
     # the quantize passes and epilogues writing codes, expanded before each GEMM (QUANTIZE_TO_VALUES off)
     ("swiglu-zipf-hybrid-bf16w-codes", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
+    # the wgrads reading x's and a's columnwise copies as saved (FP8 codes), expanded in their K loops
+    # (autograd.X_CODES_IN_WGRAD) through shared memory or as the wgmma's A operand (wgrad.X_CODES_AS_A)
+    ("swiglu-zipf-hybrid-xcodes", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, True, True, (), "HYBRID"),
+    ("swiglu-balanced-hbf16-xcodesa", 4096, 512, 256, 8, "swiglu", True, True, "balanced", 17, False, True, (),
+     "E4M3"),
+    ("gptoss-2880-padded-xcodesa", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (),
+     "E4M3"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)
     ("gptoss-2880-padded", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), "E4M3"),
 ]

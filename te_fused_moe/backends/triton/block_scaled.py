@@ -86,6 +86,10 @@ class RecipeKernels:
     # the dGLU + quantize of dh in one pass for that path, now (``fp8_block.dglu_rows.dglu_quantized``'s
     # signature); None: the GLU pass writes FP32 dh for the recipe's quantize pass
     dglu_off_tile: Callable[[], Optional[Callable]] = lambda: None
+    # whether ``grouped_wgrad`` takes the copies kept for backward (x, a columnwise) as they were saved, now:
+    # FP8 codes that its K loop expands next to the gradient's BF16 values (MXFP8's ``X_CODES_IN_WGRAD``),
+    # instead of through the operand reader (an expansion pass before each wgrad)
+    wgrad_reads_saved: Callable[[], bool] = lambda: False
 
     def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
         """None if the kernels take these sizes as they are (whole tiles along every reduction), else why
@@ -177,6 +181,12 @@ def wgrad_operand(kernels: "RecipeKernels", read: Callable) -> Callable:
     return lambda q: kernels.rows(data_t=read(q.data_t, q.scale_t, True), scale_t=q.scale_t)
 
 
+def saved_operand(kernels: "RecipeKernels", read: Callable) -> Callable:
+    """A columnwise copy kept for backward as the wgrad reads it: as saved where the recipe's wgrad expands
+    it in its K loop (``RecipeKernels.wgrad_reads_saved``), else as a gradient's (:func:`wgrad_operand`)."""
+    return (lambda q: q) if kernels.wgrad_reads_saved() else wgrad_operand(kernels, read)
+
+
 def empty_input_grads(need, x, w1, w2, probs) -> tuple:
     """The backward's results when ``x`` has no rows: zeros for every input that needs a gradient."""
     zeros = lambda t, n: torch.zeros_like(t) if n else None
@@ -226,7 +236,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
             return empty_input_grads(need, *ctx.saved_tensors)
         w1, w2, probs, h = ctx.saved_tensors
         k, read = ctx.kernels, ctx.read
-        cols = wgrad_operand(k, read)
+        cols, saved = wgrad_operand(k, read), saved_operand(k, read)
         like = w1  # new buffers like x: same dtype and device (validated)
         spec, schedule = ctx.grad_spec, ctx.schedule
         dy = dy.contiguous()
@@ -259,10 +269,10 @@ class BlockScaledExpertMLP(torch.autograd.Function):
                           ctx.w1q.scale_t, hidden, schedule, num_experts, spec, c=dx)
         if need[3]:
             dw2 = new_buffer(w2.shape, w2)
-            k.grouped_wgrad(cols(dyq), cols(ctx.a_cols), schedule, dw2)
+            k.grouped_wgrad(cols(dyq), saved(ctx.a_cols), schedule, dw2)
         if need[5]:
             db2 = expert_sums(k.tile_sums_to_experts, db2_parts, schedule, num_experts, like)
         if need[2]:
             dw1 = new_buffer(w1.shape, w1)
-            k.grouped_wgrad(cols(dhq), cols(ctx.x_cols), schedule, dw1)
+            k.grouped_wgrad(cols(dhq), saved(ctx.x_cols), schedule, dw1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None

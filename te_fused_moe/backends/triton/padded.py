@@ -48,7 +48,7 @@ import torch
 
 from . import block_scaled
 from .block_scaled import (backward_needs, empty_input_grads, expert_sums, keep_columnwise, keep_for_backward,
-                           mlp_sizes, new_buffer, read_weight, wgrad_operand)
+                           mlp_sizes, new_buffer, read_weight, saved_operand, wgrad_operand)
 from .glu_rows import glu_backward, glu_forward
 from .schedule import build_schedule, max_m_tiles
 
@@ -111,7 +111,7 @@ class PaddedExpertMLP(torch.autograd.Function):
             return empty_input_grads(need, *ctx.saved_tensors)
         w1, w2, probs, h = ctx.saved_tensors
         k, read, spec, schedule, alloc = ctx.kernels, ctx.read, ctx.grad_spec, ctx.schedule, block_scaled.ALLOC
-        cols = wgrad_operand(k, read)
+        cols, saved = wgrad_operand(k, read), saved_operand(k, read)
         num_rows, hidden, num_experts, n1, ffn = mlp_sizes(ctx.x_shape, w1, w2)
         hidden_p, n1_p, ffn_p = (padded_size(size, k.tile) for size in (hidden, n1, ffn))
         m_tiles = max_m_tiles(num_rows, num_experts, k.tile)
@@ -147,11 +147,11 @@ class PaddedExpertMLP(torch.autograd.Function):
                           ctx.w1q.scale_t, hidden, schedule, num_experts, spec, c=dx)
         if need[3]:
             dw2 = new_buffer((num_experts, hidden, ffn), w2)
-            k.grouped_wgrad(cols(dyq), cols(ctx.a_cols), schedule, dw2)
+            k.grouped_wgrad(cols(dyq), saved(ctx.a_cols), schedule, dw2)
         if need[5]:
             db2 = expert_sums(k.tile_sums_to_experts, db2_parts, schedule, num_experts, w1)[:, :hidden]
         if need[2]:
             dw1 = new_buffer((num_experts, n1, hidden), w1)
-            k.grouped_wgrad(cols(dhq), cols(ctx.x_cols), schedule, dw1)
+            k.grouped_wgrad(cols(dhq), saved(ctx.x_cols), schedule, dw1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None
 

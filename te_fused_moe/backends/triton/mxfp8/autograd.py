@@ -43,6 +43,10 @@ BF16_WEIGHT_VALUES = False
 # Run 33 (H100, DSv3): with the chunked quantize kernel, writing x's or dy's values costs no more than
 # writing their codes (0.549 / 0.734 ms against 0.567 / 0.807).
 QUANTIZE_TO_VALUES = True
+# The wgrads read the copies kept for backward (x, a columnwise) as the FP8 codes they were saved as and
+# expand them in their K loops next to the gradients' BF16 values (``wgrad.mx_wgrad_kernel``'s X_CODES),
+# instead of an expansion pass writing their values before each wgrad (at DSv3 x's is ~0.28 ms, a's ~0.08).
+X_CODES_IN_WGRAD = False
 # FC1 at an FFN size off the tile (padded.py): True = its one kernel (weight scales per row, so the up
 # half may start at any row of w1); False = the plain GEMM + GLU pass + quantize pass (before session 21)
 FC1_OFF_TILE = True
@@ -85,6 +89,7 @@ KERNELS = RecipeKernels(
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_mxfp8,
     operand_reader=operand_reader, fc1_off_tile=lambda: FC1_OFF_TILE,
     values_in_pass=lambda: EXPAND_BEFORE_GEMM and QUANTIZE_TO_VALUES,
+    wgrad_reads_saved=lambda: X_CODES_IN_WGRAD,
 )
 check_shapes = KERNELS.check_shapes
 mxfp8_expert_mlp = KERNELS.expert_mlp
