@@ -25,10 +25,11 @@ from probe_results import run_and_save
 
 # (columns per program, warps, unroll factor of the loop over a tile's chunks, register cap): run 34 timed 64 /
 # 128 columns at 4 / 8 warps, unrolled (4) and not (1); run 36a the 4-warp launch capped at 168 / 128 registers
-# (0.697 / 0.613 ms against 0.666) and 2 warps (0.559, shipped since); run 37b 128 columns at 2 warps. These:
-# the shipped launch (255 registers offline: four programs per SM) capped at 168 (40 stack bytes offline, six
-# programs) and 128 (216 bytes, eight)
-CHUNK_CONFIGS = [(64, 2, 1, None), (64, 2, 1, 168), (64, 2, 1, 128)]
+# (0.697 / 0.613 ms against 0.666) and 2 warps (0.559); run 37b 128 columns at 2 warps. These: 2 warps
+# uncapped (255 registers offline: four programs per SM), capped at 168 (40 stack bytes offline, six programs;
+# shipped since run 38a: 0.518 ms against 0.550) and at 128 (216 bytes, eight; 0.647); capped at 192 (no spills,
+# five programs) and at 168 with the chunk loop unrolled twice (56 stack bytes)
+CHUNK_CONFIGS = [(64, 2, 1, None), (64, 2, 1, 168), (64, 2, 1, 128), (64, 2, 1, 192), (64, 2, 2, 168)]
 # changes of the route's config (128 x 128 x 64, 3 stages, persistent, flattened): offline (sm_90a) it builds
 # to 255 registers with ~1 KB of stack, the quantizing store in the flattened loop. Run 37b timed 4 stages, not
 # flattened, one program per tile and GROUP_M 16 (4.117-4.556 ms against the separate dGLU's 1.836)

@@ -794,7 +794,7 @@ def _worker() -> None:
         "cache": check_weight_cache("cpu"),
         "weight_reads": check_weight_reads("cpu"),
         "values_in_pass": check_values_in_pass("cpu"),
-        "saved_codes_in_wgrad": {as_a: check_saved_codes_in_wgrad("cpu", as_a) for as_a in (False, True)},
+        "saved_codes_in_wgrad": {x: check_saved_codes_in_wgrad("cpu", x == "as_a") for x in ("shared", "as_a")},
         "exact": check_kernels_exact("cpu"),
         "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
         "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
@@ -913,9 +913,9 @@ def test_quantize_passes_write_the_values_their_gemms_read(results):
     assert_values_in_pass(results["values_in_pass"])
 
 
-@pytest.mark.parametrize("as_a", [False, True], ids=["shared", "as_a"])
-def test_wgrads_expand_the_saved_codes_without_a_pass(results, as_a):
-    assert_saved_codes_in_wgrad(results["saved_codes_in_wgrad"][as_a])
+@pytest.mark.parametrize("x_operand", ["shared", "as_a"])
+def test_wgrads_expand_the_saved_codes_without_a_pass(results, x_operand):
+    assert_saved_codes_in_wgrad(results["saved_codes_in_wgrad"][x_operand])
 
 
 def assert_weight_reads(r: dict) -> None:
@@ -1037,13 +1037,17 @@ def test_recipe_and_kernel_arguments_are_validated():
     from te_fused_moe.backends.triton.mxfp8.wgrad import MXWgradConfig, mx_grouped_wgrad
 
     cols = MXRows(data_t=torch.zeros(128, 128, dtype=torch.float8_e4m3fn), scale_t=torch.zeros(4, 128, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="config: block_t=64 needs both operands as BF16 values and one of 32, 64, 128"):
+    with pytest.raises(ValueError, match="config: block_t=64 needs g's columnwise copy as BF16 values and one of 32, "
+                                         "64, 128"):
         mx_grouped_wgrad(cols, cols, sched, torch.empty(1, 128, 128),
                          config=MXWgradConfig(expand_bf16=True, block_t=64))
     values = MXRows(data_t=torch.zeros(128, 128, dtype=torch.bfloat16), scale_t=torch.zeros(4, 128, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="config: block_t=48 needs both operands as BF16 values and one of"):
+    with pytest.raises(ValueError, match="config: block_t=48 needs g's columnwise copy as BF16 values and one of"):
         mx_grouped_wgrad(values, values, sched, torch.empty(1, 128, 128),
                          config=MXWgradConfig(expand_bf16=True, block_t=48))
+    # FP8 codes next to BF16 values only as (g's values, x's codes): the K loop expands x, never g
+    with pytest.raises(ValueError, match="g, x: both columnwise copies FP8 .* or g's values with x's FP8 codes"):
+        mx_grouped_wgrad(cols, values, sched, torch.empty(1, 128, 128))
 
 
 def test_shape_check_names_w1_and_w2():

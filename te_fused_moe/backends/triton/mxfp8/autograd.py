@@ -45,7 +45,10 @@ BF16_WEIGHT_VALUES = False
 QUANTIZE_TO_VALUES = True
 # The wgrads read the copies kept for backward (x, a columnwise) as the FP8 codes they were saved as and
 # expand them in their K loops next to the gradients' BF16 values (``wgrad.mx_wgrad_kernel``'s X_CODES),
-# instead of an expansion pass writing their values before each wgrad (at DSv3 x's is ~0.28 ms, a's ~0.08).
+# instead of an expansion pass writing their values before each wgrad. Opt-in: run 38a (H100, DSv3,
+# scripts/probe_mx_wgrad.py) dW1 4.71 ms (4.63 with X as the wgmma's A operand, ``wgrad.X_CODES_AS_A``)
+# against the pass + the values wgrad 0.30 + 3.50; dW2 2.20 against 0.09 + 1.78; the MLP 19.86 ms (19.62)
+# against 18.65, for 0.5 GiB less peak memory (no transient BF16 copies: 5.56 against 6.06 GiB).
 X_CODES_IN_WGRAD = False
 # FC1 at an FFN size off the tile (padded.py): True = its one kernel (weight scales per row, so the up
 # half may start at any row of w1); False = the plain GEMM + GLU pass + quantize pass (before session 21)

@@ -31,11 +31,11 @@ from .quantize import TILE, MXSpec, store_mx_chunk
 # epilogue (SEPARATE_DGLU_KERNEL = "gemm") 1.18. Run 36a (H100, same probe): 4 warps 0.666 ms, **2 warps
 # 0.559** (255 registers and 24 stack bytes offline, four programs per SM against two at 4 warps).
 COLS, WARPS, UNROLL = 64, 2, 1
-# A register cap per thread at launch (None: ptxas's choice). Offline (sm_90a) the default launch builds to
-# 228 registers, so two 4-warp programs fit an SM; capped at 168 it builds without spills (24 more
-# instructions of 2648) and three fit; at 128, four, with 144 bytes of spills. Run 36a (H100) at 4 warps:
-# 0.697 ms capped at 168, 0.613 at 128, against 0.666 uncapped; 2 warps uncapped (0.559) beat them all.
-MAXNREG = None
+# A register cap per thread at launch (None: ptxas's choice). Run 36a (H100) at 4 warps: 0.697 ms capped at
+# 168, 0.613 at 128, against 0.666 uncapped; 2 warps uncapped (0.559) beat them all. At 2 warps offline
+# (sm_90a) the launch builds to 255 registers uncapped (four programs per SM), 168 with 40 stack bytes (six)
+# and 128 with 216 (eight); run 38a (H100, same probe): 0.550 ms uncapped, **0.518 at 168**, 0.647 at 128.
+MAXNREG = 168
 
 
 @triton.jit
