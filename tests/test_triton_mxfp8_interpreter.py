@@ -398,15 +398,14 @@ def check_weight_reads(device: str) -> dict:
     return out
 
 
-def check_saved_codes_in_wgrad(device: str, as_a: bool, seed: int = 23) -> dict:
-    """The MLP's forward + backward with ``X_CODES_IN_WGRAD`` off and on (``wgrad.X_CODES_AS_A`` = ``as_a``), on
-    the same random problem (HYBRID, bias, probs, an empty expert, padding rows): the activation expansion
-    passes each ran (2 off: x's and a's columnwise copies; 0 on) and how many elements of each gradient differ
-    (none may: the wgrads multiply the same values in the same order, the other kernels are the same)."""
+def _mlp_with_flag_off_and_on(device: str, seed: int, flag: str) -> tuple:
+    """The MLP's forward + backward with ``mxfp8.autograd``'s ``flag`` off and on, on the same random problem
+    (HYBRID: E5M2 gradients; bias, probs, an empty expert, padding rows): (``{"activation_expansions_<on>":
+    the activation expansion passes, 2-D operands through ``expand_values``, it ran}``, the compared
+    outputs' differing elements ``bad``, their NaNs with it on), and each run's y and gradients."""
     from moe_reference import random_problem
 
     from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.backends.triton.mxfp8 import wgrad
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
     p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, bias=True, probs=True, routing="empty",
@@ -414,22 +413,31 @@ def check_saved_codes_in_wgrad(device: str, as_a: bool, seed: int = 23) -> dict:
     dy = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed + 1)).to(device=device,
                                                                                    dtype=torch.bfloat16)
     out, results = {}, {}
-    shipped, wgrad.X_CODES_AS_A = wgrad.X_CODES_AS_A, as_a
-    try:
-        for flag in (False, True):
-            with _expansions_counted(X_CODES_IN_WGRAD=flag) as dims:
-                leaves = {k: p[k].detach().clone().requires_grad_() for k in ("x", "w1", "w2", "b1", "b2", "probs")}
-                y = fused_moe_mlp(leaves["x"], p["tokens_per_expert"], leaves["w1"], leaves["w2"], b1=leaves["b1"],
-                                  b2=leaves["b2"], probs=leaves["probs"], activation="swiglu",
-                                  recipe=MXFP8BlockScaling(fp8_format=Format.HYBRID), backend="triton")
-                y.backward(dy)
-                results[flag] = {"y": y.detach(), **{k: t.grad for k, t in leaves.items()}}
-                out[f"activation_expansions_{flag}"] = dims.count(2)
-    finally:
-        wgrad.X_CODES_AS_A = shipped
+    for on in (False, True):
+        with _expansions_counted(**{flag: on}) as dims:
+            leaves = {k: p[k].detach().clone().requires_grad_() for k in ("x", "w1", "w2", "b1", "b2", "probs")}
+            y = fused_moe_mlp(leaves["x"], p["tokens_per_expert"], leaves["w1"], leaves["w2"], b1=leaves["b1"],
+                              b2=leaves["b2"], probs=leaves["probs"], activation="swiglu",
+                              recipe=MXFP8BlockScaling(fp8_format=Format.HYBRID), backend="triton")
+            y.backward(dy)
+            results[on] = {"y": y.detach(), **{k: t.grad for k, t in leaves.items()}}
+            out[f"activation_expansions_{on}"] = dims.count(2)
     out["bad"] = {k: _diff8(results[False][k], results[True][k]) for k in results[False]}
     out["nan"] = sum(int(torch.isnan(t).sum()) for t in results[True].values())
-    return out
+    return out, results
+
+
+def check_saved_codes_in_wgrad(device: str, as_a: bool, seed: int = 23) -> dict:
+    """:func:`_mlp_with_flag_off_and_on` of ``X_CODES_IN_WGRAD`` (``wgrad.X_CODES_AS_A`` = ``as_a``): 2 activation
+    expansion passes off (x's and a's columnwise copies), 0 on, and no element of any output may differ (the
+    wgrads multiply the same values in the same order, the other kernels are the same)."""
+    from te_fused_moe.backends.triton.mxfp8 import wgrad
+
+    shipped, wgrad.X_CODES_AS_A = wgrad.X_CODES_AS_A, as_a
+    try:
+        return _mlp_with_flag_off_and_on(device, seed, "X_CODES_IN_WGRAD")[0]
+    finally:
+        wgrad.X_CODES_AS_A = shipped
 
 
 def assert_saved_codes_in_wgrad(r: dict) -> None:
@@ -438,34 +446,12 @@ def assert_saved_codes_in_wgrad(r: dict) -> None:
 
 
 def check_values_in_pass(device: str, seed: int = 21) -> dict:
-    """The MLP's forward + backward with ``QUANTIZE_TO_VALUES`` on and off, on the same random problem
-    (HYBRID: E5M2 gradients; bias, probs, an empty expert, padding rows): the same bits in y and in the
-    GEMMs' gradients (they read the same values, only who writes them changes), and how many activation
-    expansion passes (2-D operands through ``expand_values``) each ran: 8 off, 2 on (x and a columnwise,
-    kept as FP8 for backward)."""
-    from moe_reference import random_problem
-
-    from te_fused_moe import fused_moe_mlp
-    from te_fused_moe.recipes import Format, MXFP8BlockScaling
-
-    p = random_problem(300, 256, 128, 3, dtype=torch.bfloat16, device=device, bias=True, probs=True, routing="empty",
-                       padding=5, seed=seed)
-    dy = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed + 1)).to(device=device,
-                                                                                   dtype=torch.bfloat16)
-    out, results = {}, {}
-    for flag in (False, True):
-        with _expansions_counted(QUANTIZE_TO_VALUES=flag) as dims:
-            leaves = {k: p[k].detach().clone().requires_grad_() for k in ("x", "w1", "w2", "b1", "b2", "probs")}
-            y = fused_moe_mlp(leaves["x"], p["tokens_per_expert"], leaves["w1"], leaves["w2"], b1=leaves["b1"],
-                              b2=leaves["b2"], probs=leaves["probs"], activation="swiglu",
-                              recipe=MXFP8BlockScaling(fp8_format=Format.HYBRID), backend="triton")
-            y.backward(dy)
-            results[flag] = {"y": y.detach(), **{k: t.grad for k, t in leaves.items()}}
-            out[f"activation_expansions_{flag}"] = dims.count(2)
-    out["bad"] = {k: _diff8(results[False][k], results[True][k]) for k in results[False]}
+    """:func:`_mlp_with_flag_off_and_on` of ``QUANTIZE_TO_VALUES``: the same bits in y and in the GEMMs'
+    gradients (they read the same values, only who writes them changes), and 8 activation expansion passes
+    off, 2 on (x and a columnwise, kept as FP8 for backward)."""
+    out, results = _mlp_with_flag_off_and_on(device, seed, "QUANTIZE_TO_VALUES")
     out["sums_step"] = {k: float((results[False][k].float() - results[True][k].float()).abs().max()
                                  / results[False][k].float().abs().max()) for k in ("b1", "b2", "probs")}
-    out["nan"] = sum(int(torch.isnan(t).sum()) for t in results[True].values())
     return out
 
 
