@@ -539,15 +539,22 @@ def _fc1_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: torc
     from .. import grouped_gemm
 
     k = a.shape[1]
-    rowwise, colwise = quantized_copies(q)
-    dummy = a.view(torch.uint8)
-    store = (store_mx_activation, copies_arguments(q, dummy, dummy), (rowwise, colwise, *spec.constexprs().values()))
+    store = _quantizing_store(store_mx_activation, q, spec, a)
     # h stands in for c: the kernel passes c to the store, which writes q instead
     return grouped_gemm.launch_scheduled("fc1", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, h, schedule,
                                          num_experts, fc1_values_config(n, k), b_up_rows=n if gated else 0, h=h,
                                          h_up_offset=h_up_offset, bias=bias, bias_up_offset=bias_up_offset,
                                          probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated,
                                          epilogue_store=store)
+
+
+def _quantizing_store(fn, q, spec: MXSpec, a: torch.Tensor, extra_args: tuple = (), extra_consts: tuple = ()) -> tuple:
+    """The BF16 backend's epilogue store hook ``(fn, args, constexprs)`` writing ``q``'s copies, packed as
+    :func:`_store_mx_packed` reads them: ``copies_arguments``' run (absent copies: ``a``'s bytes) then
+    ``extra_args``; (ROWWISE, COLWISE, the spec's formats) then ``extra_consts``."""
+    dummy = a.view(torch.uint8)
+    return (fn, (*copies_arguments(q, dummy, dummy), *extra_args),
+            (*quantized_copies(q), *spec.constexprs().values(), *extra_consts))
 
 
 def _check_dglu_route(cfg: MXGemmConfig, bf16_operands: bool, n: int, q) -> None:
@@ -570,10 +577,8 @@ def _dglu_on_bf16_kernel(a: torch.Tensor, b: torch.Tensor, n: int, schedule: tor
     from .. import grouped_gemm
 
     k = a.shape[1]
-    rowwise, colwise = quantized_copies(q)
-    dummy = a.view(torch.uint8)
-    store = (store_mx_gate_up_grads, (*copies_arguments(q, dummy, dummy), q_up_offset, *or_dummy(dbias, h, 0)),
-             (rowwise, colwise, *spec.constexprs().values(), dbias is not None))
+    store = _quantizing_store(store_mx_gate_up_grads, q, spec, a, (q_up_offset, *or_dummy(dbias, h, 0)),
+                              (dbias is not None,))
     # h stands in for c: the store writes q instead
     return grouped_gemm.launch_scheduled("dact", a, b, (b.stride(0), b.stride(2), b.stride(1)), n, k, h, schedule,
                                          num_experts, dglu_values_config(n, k, block_n), h=h, h_up_offset=h_up_offset,

@@ -180,7 +180,8 @@ def mx_grouped_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, dw: torch.Ten
     if x.data_t is None or (x_values and not bf16):
         raise ValueError("g, x: both columnwise copies FP8 (data_t), both their BF16 values "
                          "(quantize.expand_values), or g's values with x's FP8 codes (expanded in the K loop)")
-    cfg = config or default_config(bf16, x_codes=bf16 and not x_values)
+    x_codes = bf16 and not x_values
+    cfg = config or default_config(bf16, x_codes=x_codes)
     if bf16 and not cfg.expand_bf16:
         raise ValueError("config: BF16 operands need the expand_bf16 loop (BF16 wgmma)")
     block_t = TILE if cfg.expand_bf16 else MX  # tokens per step
@@ -196,6 +197,6 @@ def mx_grouped_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, dw: torch.Ten
         schedule, n, k, num_experts + 1,
         USE_TMA=use_tma, UPCAST=interpreting(), EXPAND=cfg.expand_bf16, BF16=bf16, BN=cfg.block_n, BK=cfg.block_k, BT=block_t,
         TILE_M=TILE, MX_BLOCK=MX,
-        GROUP_N=cfg.group_n, X_CODES=bf16 and not x_values, X_AS_A=cfg.x_as_a and bf16 and not x_values,
+        GROUP_N=cfg.group_n, X_CODES=x_codes, X_AS_A=cfg.x_as_a and x_codes,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
