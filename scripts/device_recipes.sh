@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [mx_cublas_wgrad] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -34,6 +34,9 @@
 # the K loop (autograd.X_CODES_IN_WGRAD) next to the expansion pass it replaces. mx_wgrad_bench: the MXFP8 MLP at
 # DSv3, fused with and without X_CODES_IN_WGRAD (through shared memory, and as the wgmma's A operand), and
 # unfused, interleaved rounds, no kernel table.
+# mx_cublas_wgrad: the BF16-valued wgrads on cuBLAS's grouped GEMM (library_wgrad.py): its GPU tests, the wgrad
+# probe (cuBLAS on the columnwise copies as kept, "cublas_slots", next to the shipped kernel), then the MXFP8 MLP at
+# DSv3 fused and unfused, each with its wgrads on either kernel (autograd.VALUES_WGRAD_KERNEL), interleaved rounds.
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
 # mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
@@ -145,6 +148,13 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                       --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations \
                       mxfp8_fused,mxfp8_unfused,mxfp8_fused_x_codes_in_wgrad,mxfp8_fused_x_codes_in_wgrad_as_a \
                       --out "$OUT/recipes_mxfp8_wgrad";;
+    mx_cublas_wgrad) step pytest_library_wgrad "${LIBRARY_TESTS_TIMEOUT:-120}" python -m pytest -m gpu -q -p no:cacheprovider \
+                       tests/gpu/test_library_wgrad_gpu.py -s
+                     step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad"
+                     step recipes_mxfp8_cublas_wgrad "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
+                       --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" --implementations \
+                       bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_cublas_wgrad,mxfp8_unfused_cublas_wgrad \
+                       --out "$OUT/recipes_mxfp8_cublas_wgrad";;
     mx_wgrad_probe) step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad";;
     mx_fc1_probe) step probe_mx_fc1 "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_fc1.py --out "$OUT/probe_mx_fc1";;
     mx_dglu_probe) step probe_mx_dglu "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_dglu.py --out "$OUT/probe_mx_dglu";;

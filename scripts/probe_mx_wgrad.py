@@ -39,7 +39,7 @@ X_CODES_VARIANTS = {"x_codes": {}, "x_codes_as_a": dict(x_as_a=True), "x_codes_s
 def run() -> dict:
     import torch
 
-    from te_fused_moe.backends.triton import wgrad as bf16_wgrad
+    from te_fused_moe.backends.triton import library_wgrad, wgrad as bf16_wgrad
     from te_fused_moe.backends.triton.mxfp8 import quantize as Q, wgrad
     from te_fused_moe.bench import do_bench_ms
 
@@ -86,6 +86,13 @@ def run() -> dict:
         record("bf16_backend_wgrad", lambda: bf16_wgrad.grouped_wgrad(g_rows, x_rows, sched, dw), dw, ref)
         if hasattr(torch, "_grouped_mm"):
             record("cublas_grouped_mm", lambda: torch._grouped_mm(g_rows.t(), x_rows, offs=offsets))
+            # on the columnwise copies as the values path keeps them: G^T row-major, X^T read column-major,
+            # each expert's K range its tile slots (zeros past its tokens)
+            dw = torch.full((EXPERTS, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+            slot_offsets = library_wgrad.slot_offsets(sched, EXPERTS)
+            record("cublas_slots", lambda: dw.copy_(torch._grouped_mm(g.data_t, x.data_t.t(), offs=slot_offsets)),
+                   dw, ref)
+            record("cublas_slots_no_copy", lambda: torch._grouped_mm(g.data_t, x.data_t.t(), offs=slot_offsets))
         out[name] = entry
         print(name, entry, flush=True)
     return out

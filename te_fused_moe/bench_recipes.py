@@ -104,7 +104,7 @@ class BlockScaledUnfused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .backends.triton.block_scaled import read_weight
+        from .backends.triton.block_scaled import read_weight, weight_grad
         from .backends.triton.padded import padded_size
 
         h, w1, w2 = ctx.saved_tensors
@@ -123,9 +123,8 @@ class BlockScaledUnfused(torch.autograd.Function):
         dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
         k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read_weight(read, w1q, True), w1q.scale_t, H,
                       sched, E, spec, c=dx)
-        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        k.grouped_wgrad(cols(dyq), cols(aq), sched, dw2)
-        k.grouped_wgrad(cols(dhq), cols(xq), sched, dw1)
+        dw2 = weight_grad(k, cols(dyq), cols(aq), sched, w2.shape, w2)
+        dw1 = weight_grad(k, cols(dhq), cols(xq), sched, w1.shape, w1)
         return dx, None, dw1, dw2, None, None
 
 
@@ -340,7 +339,12 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       # wgmma's A operand (wgrad.X_CODES_AS_A), instead of an expansion pass before each
                       "mxfp8_fused_x_codes_in_wgrad": _fused_under("mxfp8", autograd=dict(X_CODES_IN_WGRAD=True)),
                       "mxfp8_fused_x_codes_in_wgrad_as_a": _fused_under(
-                          "mxfp8", autograd=dict(X_CODES_IN_WGRAD=True), wgrad=dict(X_CODES_AS_A=True))},
+                          "mxfp8", autograd=dict(X_CODES_IN_WGRAD=True), wgrad=dict(X_CODES_AS_A=True)),
+                      # the BF16-valued wgrads on cuBLAS's grouped GEMM (autograd.VALUES_WGRAD_KERNEL), fused
+                      # and unfused alike: both paths run those wgrads
+                      "mxfp8_fused_cublas_wgrad": _fused_under("mxfp8", autograd=dict(VALUES_WGRAD_KERNEL="cublas")),
+                      "mxfp8_unfused_cublas_wgrad": _fused_under("mxfp8", _unfused,
+                                                                 autograd=dict(VALUES_WGRAD_KERNEL="cublas"))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

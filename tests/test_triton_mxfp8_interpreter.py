@@ -105,6 +105,11 @@ MLP_CASES = [
     ("swiglu-empty-pad-hybrid-xcodes", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (), "HYBRID"),
     ("gptoss-ptr-hbf16-xcodesa", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (), "E4M3"),
     ("padded-swiglu-xcodesa", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    # the BF16-valued wgrads on torch._grouped_mm (autograd.VALUES_WGRAD_KERNEL = "cublas"; here its CPU
+    # fallback through the same path: the slot offsets, empty experts, padding rows, the zero-padded copies)
+    ("swiglu-empty-pad-hybrid-cublaswgrad", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (),
+     "HYBRID"),
+    ("padded-swiglu-cublaswgrad", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
@@ -431,13 +436,15 @@ def check_saved_codes_in_wgrad(device: str, as_a: bool, seed: int = 23) -> dict:
     """:func:`_mlp_with_flag_off_and_on` of ``X_CODES_IN_WGRAD`` (``wgrad.X_CODES_AS_A`` = ``as_a``): 2 activation
     expansion passes off (x's and a's columnwise copies), 0 on, and no element of any output may differ (the
     wgrads multiply the same values in the same order, the other kernels are the same)."""
-    from te_fused_moe.backends.triton.mxfp8 import wgrad
+    from te_fused_moe.backends.triton.mxfp8 import autograd, wgrad
 
+    # the values path on the same wgrad kernel (cuBLAS would sum in another order)
     shipped, wgrad.X_CODES_AS_A = wgrad.X_CODES_AS_A, as_a
+    values_wgrad, autograd.VALUES_WGRAD_KERNEL = autograd.VALUES_WGRAD_KERNEL, "triton"
     try:
         return _mlp_with_flag_off_and_on(device, seed, "X_CODES_IN_WGRAD")[0]
     finally:
-        wgrad.X_CODES_AS_A = shipped
+        wgrad.X_CODES_AS_A, autograd.VALUES_WGRAD_KERNEL = shipped, values_wgrad
 
 
 def assert_saved_codes_in_wgrad(r: dict) -> None:
@@ -621,6 +628,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     from block_scaled_checks import compare_with_reference
     from moe_reference import random_problem
 
+    from te_fused_moe.backends.triton import library_wgrad
     from te_fused_moe.backends.triton.mxfp8 import autograd, gemm, wgrad
     from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
@@ -648,15 +656,26 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     # the wgrads reading the saved columnwise copies as FP8 codes ("-xcodes"), as the wgmma's A operand ("-xcodesa")
     x_codes, autograd.X_CODES_IN_WGRAD = autograd.X_CODES_IN_WGRAD, "-xcodes" in case_id
     as_a, wgrad.X_CODES_AS_A = wgrad.X_CODES_AS_A, "-xcodesa" in case_id
+    # the BF16-valued wgrads on torch._grouped_mm ("-cublaswgrad"; on CPU its fallback, through the same path)
+    values_wgrad, autograd.VALUES_WGRAD_KERNEL = autograd.VALUES_WGRAD_KERNEL, (
+        "cublas" if "-cublaswgrad" in case_id else "triton" if "-tritonwgrad" in case_id else autograd.VALUES_WGRAD_KERNEL)
+    runs_on, values_wgrad_fn, library_calls = library_wgrad.runs_on, library_wgrad.values_wgrad, []
+    if "-cublaswgrad" in case_id and device == "cpu":
+        library_wgrad.runs_on = lambda like: True
+    library_wgrad.values_wgrad = lambda *args: library_calls.append(1) or values_wgrad_fn(*args)
     try:
-        return compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
-                                      gemm, tma, triton_context)
+        res = compare_with_reference(p, recipe, act, dy, frozen, poison_alloc if poison else torch.empty, h_fp32,
+                                     gemm, tma, triton_context)
+        res["library_wgrads"] = len(library_calls)  # wgrads that ran on torch._grouped_mm
+        return res
     finally:
+        library_wgrad.values_wgrad = values_wgrad_fn
         gemm.FC1_VALUES_KERNEL, gemm.DGLU_VALUES_KERNEL = fc1, route
         autograd.EXPAND_BEFORE_GEMM, gemm.DACT_EPILOGUE, autograd.BF16_WEIGHT_VALUES = default, dglu, values
         autograd.QUANTIZE_TO_VALUES = written
         gemm.SEPARATE_DGLU_KERNEL, gemm.PLAIN_VALUES_KERNEL = dglu_kernel, plain
         autograd.X_CODES_IN_WGRAD, wgrad.X_CODES_AS_A = x_codes, as_a
+        autograd.VALUES_WGRAD_KERNEL, library_wgrad.runs_on = values_wgrad, runs_on
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
 
@@ -964,6 +983,7 @@ def test_mlp_matches_reference_emulation(results, case):
         assert res["fp64"][name] <= FP64_BOUND, f"{case[0]}: {name} rel. error vs FP64 {res['fp64'][name]:.3g}"
     for name, bad in res["nonzero"].items():
         assert bad == 0, (case[0], name, res["nonzero"])
+    assert res["library_wgrads"] == (2 if "-cublaswgrad" in case[0] else 0), (case[0], res["library_wgrads"])
 
 
 def test_supports_names_the_recipe_subset():

@@ -30,6 +30,7 @@ from block_scaled_checks import (assert_bench_baseline, assert_dispatch, assert_
 from moe_reference import graph_replay_errors
 
 import test_triton_mxfp8_interpreter as checks
+from te_fused_moe.backends.triton.mxfp8 import autograd
 from te_fused_moe.recipes import Format, MXFP8BlockScaling
 
 pytestmark = pytest.mark.gpu
@@ -190,6 +191,13 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
      "E4M3"),
     ("gptoss-2880-padded-xcodesa", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True, (),
      "E4M3"),
+    # the BF16-valued wgrads on cuBLAS's grouped GEMM (autograd.VALUES_WGRAD_KERNEL), or on this recipe's wgrad
+    # kernel where cuBLAS is the default: empty experts, padding rows, GPT-OSS's zero-padded copies
+    ("swiglu-empty-hybrid-cublaswgrad", 4096, 512, 256, 16, "swiglu", True, True, "empty", 100, True, True, (),
+     "HYBRID"),
+    ("gptoss-2880-padded-cublaswgrad", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True,
+     (), "E4M3"),
+    ("swiglu-zipf-hbf16-tritonwgrad", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, False, True, (), "E4M3"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)
     ("gptoss-2880-padded", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), "E4M3"),
 ]
@@ -201,6 +209,9 @@ def test_mlp_matches_reference_emulation_gpu(case):
     print("MXFP8_MLP", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
     bound, fp64_bound = (GPU_BOUND, GPU_FP64_BOUND) if case[10] else (HBF16_BOUND, HBF16_BOUND)
     assert_within(case[0], res, bound, fp64_bound)
+    cublas = "-cublaswgrad" in case[0] or (autograd.VALUES_WGRAD_KERNEL == "cublas" and not
+                                           any(tag in case[0] for tag in ("-tritonwgrad", "-xcodes", "-kloop")))
+    assert res["library_wgrads"] == (2 - len(set(case[12]) & {"w1", "w2"}) if cublas else 0), res["library_wgrads"]
 
 
 def test_no_host_syncs_after_warmup():

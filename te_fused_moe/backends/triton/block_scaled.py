@@ -90,6 +90,9 @@ class RecipeKernels:
     # FP8 codes that its K loop expands next to the gradient's BF16 values (MXFP8's ``X_CODES_IN_WGRAD``),
     # instead of through the operand reader (an expansion pass before each wgrad)
     wgrad_reads_saved: Callable[[], bool] = lambda: False
+    # dW [E, N, K] of the wgrad's operands (as :func:`weight_grad` passes them) from a library GEMM in a tensor
+    # of its own, or None where the recipe's ``grouped_wgrad`` runs (MXFP8's BF16 values on cuBLAS)
+    library_wgrad: Callable[..., Optional[torch.Tensor]] = lambda g, x, schedule, shape, like: None
 
     def check_shapes(self, hidden: int, ffn: int) -> Optional[str]:
         """None if the kernels take these sizes as they are (whole tiles along every reduction), else why
@@ -187,6 +190,16 @@ def saved_operand(kernels: "RecipeKernels", read: Callable) -> Callable:
     return (lambda q: q) if kernels.wgrad_reads_saved() else wgrad_operand(kernels, read)
 
 
+def weight_grad(kernels: "RecipeKernels", g, x, schedule: torch.Tensor, shape, like: torch.Tensor) -> torch.Tensor:
+    """``dW`` ``[E, N, K]`` (``like``'s dtype) of the columnwise copies ``g`` and ``x``: from the recipe's
+    ``library_wgrad`` where it gives one, else its ``grouped_wgrad`` into a new buffer."""
+    dw = kernels.library_wgrad(g, x, schedule, shape, like)
+    if dw is None:
+        dw = new_buffer(shape, like)
+        kernels.grouped_wgrad(g, x, schedule, dw)
+    return dw
+
+
 def empty_input_grads(need, x, w1, w2, probs) -> tuple:
     """The backward's results when ``x`` has no rows: zeros for every input that needs a gradient."""
     zeros = lambda t, n: torch.zeros_like(t) if n else None
@@ -268,11 +281,9 @@ class BlockScaledExpertMLP(torch.autograd.Function):
             k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read_weight(read, ctx.w1q, True),
                           ctx.w1q.scale_t, hidden, schedule, num_experts, spec, c=dx)
         if need[3]:
-            dw2 = new_buffer(w2.shape, w2)
-            k.grouped_wgrad(cols(dyq), saved(ctx.a_cols), schedule, dw2)
+            dw2 = weight_grad(k, cols(dyq), saved(ctx.a_cols), schedule, w2.shape, w2)
         if need[5]:
             db2 = expert_sums(k.tile_sums_to_experts, db2_parts, schedule, num_experts, like)
         if need[2]:
-            dw1 = new_buffer(w1.shape, w1)
-            k.grouped_wgrad(cols(dhq), saved(ctx.x_cols), schedule, dw1)
+            dw1 = weight_grad(k, cols(dhq), saved(ctx.x_cols), schedule, w1.shape, w1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None

@@ -48,7 +48,7 @@ import torch
 
 from . import block_scaled
 from .block_scaled import (backward_needs, empty_input_grads, expert_sums, keep_columnwise, keep_for_backward,
-                           mlp_sizes, new_buffer, read_weight, saved_operand, wgrad_operand)
+                           mlp_sizes, new_buffer, read_weight, saved_operand, weight_grad, wgrad_operand)
 from .glu_rows import glu_backward, glu_forward
 from .schedule import build_schedule, max_m_tiles
 
@@ -146,12 +146,10 @@ class PaddedExpertMLP(torch.autograd.Function):
             k.gemm.launch("dgrad", read(dhq.data, dhq.scale), dhq.scale, read_weight(read, ctx.w1q, True),
                           ctx.w1q.scale_t, hidden, schedule, num_experts, spec, c=dx)
         if need[3]:
-            dw2 = new_buffer((num_experts, hidden, ffn), w2)
-            k.grouped_wgrad(cols(dyq), saved(ctx.a_cols), schedule, dw2)
+            dw2 = weight_grad(k, cols(dyq), saved(ctx.a_cols), schedule, (num_experts, hidden, ffn), w2)
         if need[5]:
             db2 = expert_sums(k.tile_sums_to_experts, db2_parts, schedule, num_experts, w1)[:, :hidden]
         if need[2]:
-            dw1 = new_buffer((num_experts, n1, hidden), w1)
-            k.grouped_wgrad(cols(dhq), saved(ctx.x_cols), schedule, dw1)
+            dw1 = weight_grad(k, cols(dhq), saved(ctx.x_cols), schedule, (num_experts, n1, hidden), w1)
         return dx, None, dw1, dw2, db1, db2, dprobs, None, None, None
 

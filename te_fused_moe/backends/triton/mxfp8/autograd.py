@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import block_scaled
+from .. import block_scaled, library_wgrad
 from ..block_scaled import RecipeKernels, as_quantized
 from ..fp8_block.wgrad import tile_sums_to_experts
 from . import gemm
@@ -50,6 +50,11 @@ QUANTIZE_TO_VALUES = True
 # against the pass + the values wgrad 0.30 + 3.50; dW2 2.20 against 0.09 + 1.78; the MLP 19.86 ms (19.62)
 # against 18.65, for 0.5 GiB less peak memory (no transient BF16 copies: 5.56 against 6.06 GiB).
 X_CODES_IN_WGRAD = False
+# Which kernel runs the wgrads once both their operands are BF16 values (the values path, X_CODES_IN_WGRAD off):
+# "triton" = ``wgrad.mx_grouped_wgrad``, "cublas" = cuBLAS's grouped GEMM (``library_wgrad``; sm_90, BF16 dW),
+# which the unfused path then runs too. Run 38a (H100, DSv3, scripts/probe_mx_wgrad.py): cuBLAS on token-major
+# copies 2.95 / 1.53 ms for dW1 / dW2 against this kernel's 3.50 / 1.78.
+VALUES_WGRAD_KERNEL = "triton"
 # FC1 at an FFN size off the tile (padded.py): True = its one kernel (weight scales per row, so the up
 # half may start at any row of w1); False = the plain GEMM + GLU pass + quantize pass (before session 21)
 FC1_OFF_TILE = True
@@ -66,6 +71,13 @@ def read_expanded(data, scale, columnwise: bool = False):
 def operand_reader():
     """The shared autograd's per-forward choice (``RecipeKernels.operand_reader``)."""
     return read_expanded if EXPAND_BEFORE_GEMM else as_quantized
+
+
+def cublas_wgrad(g: MXRows, x: MXRows, schedule: torch.Tensor, shape, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """``RecipeKernels.library_wgrad``: dW on cuBLAS where ``VALUES_WGRAD_KERNEL`` asks for it and it applies."""
+    if VALUES_WGRAD_KERNEL != "cublas" or not library_wgrad.applies(g.data_t, x.data_t, like):
+        return None
+    return library_wgrad.values_wgrad(g.data_t, x.data_t, schedule, shape)
 
 
 def specs_of(recipe):
@@ -92,7 +104,7 @@ KERNELS = RecipeKernels(
     tile_sums_to_experts=tile_sums_to_experts, specs_of=specs_of, unsupported=supports_mxfp8,
     operand_reader=operand_reader, fc1_off_tile=lambda: FC1_OFF_TILE,
     values_in_pass=lambda: EXPAND_BEFORE_GEMM and QUANTIZE_TO_VALUES,
-    wgrad_reads_saved=lambda: X_CODES_IN_WGRAD,
+    wgrad_reads_saved=lambda: X_CODES_IN_WGRAD, library_wgrad=cublas_wgrad,
 )
 check_shapes = KERNELS.check_shapes
 mxfp8_expert_mlp = KERNELS.expert_mlp
