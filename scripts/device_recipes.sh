@@ -36,7 +36,8 @@
 # unfused, interleaved rounds, no kernel table.
 # mx_cublas_wgrad: the BF16-valued wgrads on cuBLAS's grouped GEMM (library_wgrad.py): its GPU tests, the wgrad
 # probe (cuBLAS on the columnwise copies as kept, "cublas_slots", next to the shipped kernel), then the MXFP8 MLP at
-# DSv3 fused and unfused, each with its wgrads on either kernel (autograd.VALUES_WGRAD_KERNEL), interleaved rounds.
+# DSv3 fused and unfused, each with its wgrads on either kernel (autograd.VALUES_WGRAD_KERNEL: cuBLAS since run 39a, and
+# the Triton kernel), interleaved rounds.
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
 # mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
@@ -153,7 +154,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                      step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad"
                      step recipes_mxfp8_cublas_wgrad "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                        --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" --implementations \
-                       bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_cublas_wgrad,mxfp8_unfused_cublas_wgrad \
+                       bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_triton_wgrad,mxfp8_unfused_triton_wgrad \
                        --out "$OUT/recipes_mxfp8_cublas_wgrad";;
     mx_wgrad_probe) step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad";;
     mx_fc1_probe) step probe_mx_fc1 "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_fc1.py --out "$OUT/probe_mx_fc1";;

@@ -340,11 +340,12 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       "mxfp8_fused_x_codes_in_wgrad": _fused_under("mxfp8", autograd=dict(X_CODES_IN_WGRAD=True)),
                       "mxfp8_fused_x_codes_in_wgrad_as_a": _fused_under(
                           "mxfp8", autograd=dict(X_CODES_IN_WGRAD=True), wgrad=dict(X_CODES_AS_A=True)),
-                      # the BF16-valued wgrads on cuBLAS's grouped GEMM (autograd.VALUES_WGRAD_KERNEL), fused
-                      # and unfused alike: both paths run those wgrads
-                      "mxfp8_fused_cublas_wgrad": _fused_under("mxfp8", autograd=dict(VALUES_WGRAD_KERNEL="cublas")),
-                      "mxfp8_unfused_cublas_wgrad": _fused_under("mxfp8", _unfused,
-                                                                 autograd=dict(VALUES_WGRAD_KERNEL="cublas"))},
+                      # the BF16-valued wgrads on this recipe's Triton kernel instead of cuBLAS's grouped GEMM
+                      # (autograd.VALUES_WGRAD_KERNEL; the default before run 39), fused and unfused alike: both
+                      # paths run those wgrads
+                      "mxfp8_fused_triton_wgrad": _fused_under("mxfp8", autograd=dict(VALUES_WGRAD_KERNEL="triton")),
+                      "mxfp8_unfused_triton_wgrad": _fused_under("mxfp8", _unfused,
+                                                                 autograd=dict(VALUES_WGRAD_KERNEL="triton"))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

@@ -51,10 +51,11 @@ QUANTIZE_TO_VALUES = True
 # against 18.65, for 0.5 GiB less peak memory (no transient BF16 copies: 5.56 against 6.06 GiB).
 X_CODES_IN_WGRAD = False
 # Which kernel runs the wgrads once both their operands are BF16 values (the values path, X_CODES_IN_WGRAD off):
-# "triton" = ``wgrad.mx_grouped_wgrad``, "cublas" = cuBLAS's grouped GEMM (``library_wgrad``; sm_90, BF16 dW),
-# which the unfused path then runs too. Run 38a (H100, DSv3, scripts/probe_mx_wgrad.py): cuBLAS on token-major
-# copies 2.95 / 1.53 ms for dW1 / dW2 against this kernel's 3.50 / 1.78.
-VALUES_WGRAD_KERNEL = "triton"
+# "cublas" = cuBLAS's grouped GEMM (``library_wgrad``; sm_90 and a BF16 dW, else the Triton kernel), "triton" =
+# ``wgrad.mx_grouped_wgrad``. The unfused path runs the same. Run 39a (H100, DSv3, scripts/probe_mx_wgrad.py):
+# dW1 / dW2 2.860 / 1.488 ms on cuBLAS against 3.501 / 1.765 on the Triton kernel; the MLP fused 17.26 against
+# 18.15 ms, unfused 22.13 against 23.49.
+VALUES_WGRAD_KERNEL = "cublas"
 # FC1 at an FFN size off the tile (padded.py): True = its one kernel (weight scales per row, so the up
 # half may start at any row of w1); False = the plain GEMM + GLU pass + quantize pass (before session 21)
 FC1_OFF_TILE = True
