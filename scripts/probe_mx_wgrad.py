@@ -3,7 +3,9 @@ values, ``[width, 128 * tiles]``, 32768 routed rows balanced over 32 experts: 10
 wgrad kernel at the shipped config and a variant, then with X (the copy kept for backward) read as the
 FP8 codes it was saved as and expanded in the K loop (``autograd.X_CODES_IN_WGRAD``) at a few configs,
 next to the expansion pass that this replaces, against the BF16 backend's wgrad (``wgrad.grouped_wgrad``)
-on the same values token-major and ``torch._grouped_mm`` (cuBLAS) on them. A measurement tool, not a
+on the same values token-major and ``torch._grouped_mm`` (cuBLAS) on them, and cuBLAS on the columnwise copies
+as kept, each expert's K range its tile slots (``library_wgrad``, the default route since run 39; with and
+without a copy into a given buffer). A measurement tool, not a
 test: it prints ms, TFLOP/s and each output's largest difference from the shipped config's (the same
 exact products summed in another order).
 
