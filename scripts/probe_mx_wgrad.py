@@ -90,11 +90,11 @@ def run() -> dict:
             record("cublas_grouped_mm", lambda: torch._grouped_mm(g_rows.t(), x_rows, offs=offsets))
             # on the columnwise copies as the values path keeps them: G^T row-major, X^T read column-major,
             # each expert's K range its tile slots (zeros past its tokens)
+            # (library_wgrad.values_wgrad, the shipped route: its offsets from the schedule included)
             dw = torch.full((EXPERTS, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-            slot_offsets = library_wgrad.slot_offsets(sched, EXPERTS)
-            record("cublas_slots", lambda: dw.copy_(torch._grouped_mm(g.data_t, x.data_t.t(), offs=slot_offsets)),
-                   dw, ref)
-            record("cublas_slots_no_copy", lambda: torch._grouped_mm(g.data_t, x.data_t.t(), offs=slot_offsets))
+            on_slots = lambda: library_wgrad.values_wgrad(g.data_t, x.data_t, sched, (EXPERTS, n, k))
+            record("cublas_slots", lambda: dw.copy_(on_slots()), dw, ref)
+            record("cublas_slots_no_copy", on_slots)
         out[name] = entry
         print(name, entry, flush=True)
     return out

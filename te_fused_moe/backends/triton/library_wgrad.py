@@ -25,11 +25,11 @@ from .schedule import TILE_END
 TILE = 128  # tokens per tile slot of the columnwise copies
 
 
-def slot_offsets(schedule: torch.Tensor, num_experts: int, tile: int = TILE) -> torch.Tensor:
+def slot_offsets(schedule: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int32 ``[E]``: where each expert's K range ends in the columnwise copies' token columns (its last
     slot's end), on the schedule's device."""
     first = TILE_END * (num_experts + 1)
-    return schedule[first: first + num_experts] * tile
+    return schedule[first: first + num_experts] * TILE
 
 
 def values_wgrad(g_t: torch.Tensor, x_t: torch.Tensor, schedule: torch.Tensor, shape) -> torch.Tensor:
