@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [mx_cublas_wgrad] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [mx_cublas_wgrad] [mx_profile] [mx_keep_values] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -38,6 +38,10 @@
 # probe (cuBLAS on the columnwise copies as kept, "cublas_slots", next to the shipped kernel), then the MXFP8 MLP at
 # DSv3 fused and unfused, each with its wgrads on either kernel (autograd.VALUES_WGRAD_KERNEL: cuBLAS since run 39a, and
 # the Triton kernel), interleaved rounds.
+# mx_profile: the MXFP8 MLP's kernels at DSv3 under torch.profiler (scripts/profile_mlp.py; PROFILE_IMPLS, by default
+# fused and unfused, each with its wgrads on cuBLAS and on the Triton kernel). mx_keep_values: the forward keeping x's
+# and a's columnwise copies as BF16 values (autograd.KEEP_COLUMNWISE_VALUES): its GPU tests, then the MLP at DSv3
+# with and without it against the unfused path, interleaved rounds (with the memory each holds after its forward).
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
 # mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
@@ -118,6 +122,14 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
     padded_bench) step recipes_gpt_oss "${PADDED_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes "${PADDED_RECIPES:-fp8_block,mxfp8,nvfp4}" --shapes gpt-oss --no-kernels --rounds "${ROUNDS:-3}" \
                     ${PADDED_ONLY:+--implementations "$PADDED_ONLY"} --out "$OUT/recipes_gpt_oss";;
+    mx_profile) step profile_mxfp8 "${PROFILE_TIMEOUT:-200}" python scripts/profile_mlp.py --iterations 3 --impls \
+                  "${PROFILE_IMPLS:-mxfp8_fused,mxfp8_unfused,mxfp8_fused_triton_wgrad,mxfp8_unfused_triton_wgrad}" \
+                  --shape dsv3-e32 --out "$OUT/profile_mxfp8";;
+    mx_keep_values) step pytest_keep_values "${KEEP_TESTS_TIMEOUT:-150}" python -m pytest -m gpu -q -p no:cacheprovider \
+                      tests/gpu/test_triton_mxfp8_gpu.py -k "keep"
+                    step recipes_mxfp8_keep_values "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
+                      --recipes mxfp8 --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-5}" --implementations \
+                      mxfp8_fused,mxfp8_unfused,mxfp8_fused_keep_values --out "$OUT/recipes_mxfp8_keep_values";;
     padded_profile) step profile_gpt_oss "${PROFILE_TIMEOUT:-150}" python scripts/profile_mlp.py \
                       --impls fp8_block_fused,mxfp8_fused,bf16_fused --shape gpt-oss --out "$OUT/profile_gpt_oss";;
     nvfp4_bench) step recipes_nvfp4 "${NVFP4_BENCH_TIMEOUT:-150}" python scripts/bench_recipes.py --recipes nvfp4 \

@@ -209,7 +209,11 @@ def bench_implementation(name: str, shape: Shape, inputs, peak_tflops: float,
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    fwd_bwd()
+    y = forward()
+    # y and what backward keeps (saved activations): what each layer holds until its backward runs
+    out["after_forward_gib"] = (torch.cuda.memory_allocated() - before) / 2 ** 30
+    y.backward(dy)
+    del y
     torch.cuda.synchronize()
     out["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
     out["fwd_tflops"] = flops / out["fwd_ms"] / 1e9

@@ -345,7 +345,11 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       # paths run those wgrads
                       "mxfp8_fused_triton_wgrad": _fused_under("mxfp8", autograd=dict(VALUES_WGRAD_KERNEL="triton")),
                       "mxfp8_unfused_triton_wgrad": _fused_under("mxfp8", _unfused,
-                                                                 autograd=dict(VALUES_WGRAD_KERNEL="triton"))},
+                                                                 autograd=dict(VALUES_WGRAD_KERNEL="triton")),
+                      # the forward keeping x's and a's columnwise copies as the BF16 values the wgrads read
+                      # (autograd.KEEP_COLUMNWISE_VALUES) instead of FP8 codes expanded before each wgrad; the
+                      # unfused path keeps MXFP8 tensors, as TE does
+                      "mxfp8_fused_keep_values": _fused_under("mxfp8", autograd=dict(KEEP_COLUMNWISE_VALUES=True))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():
@@ -801,7 +805,7 @@ def summary_table(report: Dict) -> str:
         met = ", ".join(f"{k}: {v['speedup']:.2f}x (want {v['wanted']}x)" for k, v in e.get("targets", {}).items())
         lines.append(f"\n{name}  ({met})")
         lines.append(f"  {'implementation':32} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b TFLOP/s':>11} "
-                     f"{'x fwd':>6} {'x bwd':>6} {'x f+b':>6} {'mem GiB':>8} {'y err vs bf16':>13}")
+                     f"{'x fwd':>6} {'x bwd':>6} {'x f+b':>6} {'mem GiB':>8} {'held GiB':>8} {'y err vs bf16':>13}")
         for impl in report["implementations"]:
             r = e[impl]
             if "error" in r:
@@ -812,6 +816,7 @@ def summary_table(report: Dict) -> str:
                 f"  {impl:32} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r['fwd_bwd_ms']:8.2f} {r['fwd_bwd_tflops']:11.0f} "
                 f"{ratio.get('fwd', float('nan')):6.2f} {ratio.get('bwd', float('nan')):6.2f} "
                 f"{ratio.get('fwd_bwd', float('nan')):6.2f} {r['peak_mem_gib']:8.2f} "
+                f"{r.get('after_forward_gib', float('nan')):8.2f} "
                 f"{e['y_rel_err_vs_bf16_unfused'].get(impl, float('nan')):13.2e}")
         for recipe, kernels in e.get("kernels", {}).items():
             lines.append(f"  {recipe} kernels: " + "; ".join(_kernel_summary(k, v) for k, v in kernels.items()))

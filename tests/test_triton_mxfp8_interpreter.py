@@ -110,6 +110,12 @@ MLP_CASES = [
     ("swiglu-empty-pad-hybrid-cublaswgrad", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (),
      "HYBRID"),
     ("padded-swiglu-cublaswgrad", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
+    # the forward keeping x's and a's columnwise copies as BF16 values (autograd.KEEP_COLUMNWISE_VALUES): TMA and
+    # pointer loads, E5M2 gradients, h in BF16
+    ("swiglu-empty-pad-hybrid-keepvalues", 300, 256, 128, 3, "swiglu", True, True, "empty", 5, True, True, (),
+     "HYBRID"),
+    ("gptoss-ptr-hbf16-keepvalues", 260, 128, 256, 4, "gpt_oss_swiglu", True, True, "zipf", 3, False, False, (),
+     "E4M3"),
     # sizes off the 128 tile: the zero-padded path (padded.py); F = 50 also ends with a short 1x32 block
     ("padded-swiglu", 200, 160, 96, 3, "swiglu", True, True, "empty", 5, True, True, (), "E4M3"),
     ("padded-gptoss-ptr-hybrid-kloop", 260, 224, 160, 4, "gpt_oss_swiglu", True, True, "zipf", 3, True, False, (),
@@ -452,6 +458,33 @@ def assert_saved_codes_in_wgrad(r: dict) -> None:
     assert all(v == 0 for v in r["bad"].values()) and r["nan"] == 0, r
 
 
+def check_kept_values(device: str, seed: int = 25) -> dict:
+    """:func:`_mlp_with_flag_off_and_on` of ``KEEP_COLUMNWISE_VALUES``: 2 activation expansion passes off (x's and
+    a's columnwise copies, kept as FP8), 0 on (kept as the values the wgrads read), and no element of any output
+    may differ (the same values reach the same kernels), nor the kept copies' bytes per element (BF16 on)."""
+    from te_fused_moe.backends.triton import block_scaled
+
+    kept, keep_columnwise = [], block_scaled.keep_columnwise
+
+    def spy(ctx, kernels, xq, aq):
+        kept.append((xq.data_t.dtype, aq.data_t.dtype))
+        keep_columnwise(ctx, kernels, xq, aq)
+
+    block_scaled.keep_columnwise = spy
+    try:
+        out = _mlp_with_flag_off_and_on(device, seed, "KEEP_COLUMNWISE_VALUES")[0]
+    finally:
+        block_scaled.keep_columnwise = keep_columnwise
+    out["kept_dtypes"] = [str(dtype) for pair in kept for dtype in pair]
+    return out
+
+
+def assert_kept_values(r: dict) -> None:
+    assert r["activation_expansions_False"] == 2 and r["activation_expansions_True"] == 0, r
+    assert r["kept_dtypes"] == ["torch.float8_e4m3fn"] * 2 + ["torch.bfloat16"] * 2, r
+    assert all(v == 0 for v in r["bad"].values()) and r["nan"] == 0, r
+
+
 def check_values_in_pass(device: str, seed: int = 21) -> dict:
     """:func:`_mlp_with_flag_off_and_on` of ``QUANTIZE_TO_VALUES``: the same bits in y and in the GEMMs'
     gradients (they read the same values, only who writes them changes), and 8 activation expansion passes
@@ -656,6 +689,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
     # the wgrads reading the saved columnwise copies as FP8 codes ("-xcodes"), as the wgmma's A operand ("-xcodesa")
     x_codes, autograd.X_CODES_IN_WGRAD = autograd.X_CODES_IN_WGRAD, "-xcodes" in case_id
     as_a, wgrad.X_CODES_AS_A = wgrad.X_CODES_AS_A, "-xcodesa" in case_id
+    keep, autograd.KEEP_COLUMNWISE_VALUES = autograd.KEEP_COLUMNWISE_VALUES, "-keepvalues" in case_id
     # the BF16-valued wgrads on torch._grouped_mm ("-cublaswgrad"; on CPU its fallback, through the same path)
     values_wgrad, autograd.VALUES_WGRAD_KERNEL = autograd.VALUES_WGRAD_KERNEL, (
         "cublas" if "-cublaswgrad" in case_id else "triton" if "-tritonwgrad" in case_id else autograd.VALUES_WGRAD_KERNEL)
@@ -675,6 +709,7 @@ def run_mlp_case(case, device: str, poison: bool = True, seed: int = 0, triton_c
         autograd.QUANTIZE_TO_VALUES = written
         gemm.SEPARATE_DGLU_KERNEL, gemm.PLAIN_VALUES_KERNEL = dglu_kernel, plain
         autograd.X_CODES_IN_WGRAD, wgrad.X_CODES_AS_A = x_codes, as_a
+        autograd.KEEP_COLUMNWISE_VALUES = keep
         autograd.VALUES_WGRAD_KERNEL, library_wgrad.runs_on = values_wgrad, runs_on
 
 # --- 5. dispatch, validation, benchmark baseline --------------------------------------------------
@@ -800,6 +835,7 @@ def _worker() -> None:
         "weight_reads": check_weight_reads("cpu"),
         "values_in_pass": check_values_in_pass("cpu"),
         "saved_codes_in_wgrad": {x: check_saved_codes_in_wgrad("cpu", x == "as_a") for x in ("shared", "as_a")},
+        "kept_values": check_kept_values("cpu"),
         "exact": check_kernels_exact("cpu"),
         "exact_ptr_e5m2": check_kernels_exact("cpu", seed=1, use_tma=False, fmt="e5m2", T=200, H=128),
         "exact_bn128_unsplit": check_kernels_exact("cpu", seed=2, T=200, H=128,
@@ -921,6 +957,10 @@ def test_quantize_passes_write_the_values_their_gemms_read(results):
 @pytest.mark.parametrize("x_operand", ["shared", "as_a"])
 def test_wgrads_expand_the_saved_codes_without_a_pass(results, x_operand):
     assert_saved_codes_in_wgrad(results["saved_codes_in_wgrad"][x_operand])
+
+
+def test_forward_keeps_the_values_the_wgrads_read(results):
+    assert_kept_values(results["kept_values"])
 
 
 def assert_weight_reads(r: dict) -> None:

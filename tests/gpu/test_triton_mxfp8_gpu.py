@@ -72,6 +72,10 @@ def test_wgrads_expand_the_saved_codes_without_a_pass_gpu(as_a):
     checks.assert_saved_codes_in_wgrad(checks.check_saved_codes_in_wgrad("cuda", as_a))
 
 
+def test_forward_keeps_the_values_the_wgrads_read_gpu():
+    checks.assert_kept_values(checks.check_kept_values("cuda"))
+
+
 @pytest.mark.parametrize("tma,fmt,dglu", [(True, "e4m3", "fused"), (False, "e5m2", "separate")],
                          ids=["tma", "ptr-e5m2-dglu-separate"])
 def test_written_values_exact_on_integer_data_gpu(tma, fmt, dglu):

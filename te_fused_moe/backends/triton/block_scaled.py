@@ -90,6 +90,10 @@ class RecipeKernels:
     # FP8 codes that its K loop expands next to the gradient's BF16 values (MXFP8's ``X_CODES_IN_WGRAD``),
     # instead of through the operand reader (an expansion pass before each wgrad)
     wgrad_reads_saved: Callable[[], bool] = lambda: False
+    # whether the forward also writes the columnwise copies it keeps for backward (x, a: the wgrads' operands)
+    # as BF16 values, now (MXFP8's ``KEEP_COLUMNWISE_VALUES``; only where ``values_in_pass``): no expansion pass
+    # before the wgrads, for one more byte per element held from forward to backward
+    keeps_values: Callable[[], bool] = lambda: False
     # dW [E, N, K] of the wgrad's operands (as :func:`weight_grad` passes them) from a library GEMM in a tensor
     # of its own, or None where the recipe's ``grouped_wgrad`` runs (MXFP8's BF16 values on cuBLAS)
     library_wgrad: Callable[..., Optional[torch.Tensor]] = lambda g, x, schedule, shape, like: None
@@ -221,6 +225,7 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         ctx.act, ctx.grad_spec, ctx.kernels = act, grad_spec, k
         ctx.read = read = k.operand_reader()
         ctx.values = values = k.values_in_pass()
+        keep_values = values and k.keeps_values()
         if num_rows == 0:
             ctx.empty = True
             ctx.save_for_backward(x, w1, w2, probs)
@@ -230,9 +235,10 @@ class BlockScaledExpertMLP(torch.autograd.Function):
         w1q = k.weight_cache.get(w1, spec)
         w2q = k.weight_cache.get(w2, spec)
         xq = k.quantize_rows(x, schedule, num_experts, spec, rowwise=True, colwise=need[2], alloc=ALLOC,
-                             **as_values(values, rowwise=True))
+                             **as_values(values, rowwise=True, colwise=keep_values))
         h = new_buffer((num_rows, n1), x, H_DTYPE or x.dtype)
-        aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC, **as_values(values, rowwise=True))
+        aq = k.new_rows(num_rows, ffn, x, spec, num_experts, True, need[3], ALLOC,
+                        **as_values(values, rowwise=True, colwise=keep_values))
         k.gemm.launch("fc1", read(xq.data, xq.scale), xq.scale, read_weight(read, w1q), w1q.scale, ffn, schedule,
                       num_experts, spec, q=aq, h=h, h_up_offset=ffn, b_up_rows=ffn, bias=b1, bias_up_offset=ffn,
                       probs=probs, **act)

@@ -50,6 +50,12 @@ QUANTIZE_TO_VALUES = True
 # against the pass + the values wgrad 0.30 + 3.50; dW2 2.20 against 0.09 + 1.78; the MLP 19.86 ms (19.62)
 # against 18.65, for 0.5 GiB less peak memory (no transient BF16 copies: 5.56 against 6.06 GiB).
 X_CODES_IN_WGRAD = False
+# With QUANTIZE_TO_VALUES, the forward also writes the columnwise copies it keeps for backward (x's and a's, the
+# wgrads' operands) as BF16 values: no expansion pass before either wgrad (at DSv3 0.30 + 0.09 ms, run 38a) for a
+# BF16 write in place of an FP8 one in the forward, and one byte more per element of x and a held from forward to
+# backward (TE keeps FP8 codes there; BF16 training keeps x in BF16). Opt-in: a memory-for-time trade, as
+# BF16_WEIGHT_VALUES is. The zero-padded path (padded.py) keeps codes.
+KEEP_COLUMNWISE_VALUES = False
 # Which kernel runs the wgrads once both their operands are BF16 values (the values path, X_CODES_IN_WGRAD off):
 # "cublas" = cuBLAS's grouped GEMM (``library_wgrad``; sm_90 and a BF16 dW, else the Triton kernel), "triton" =
 # ``wgrad.mx_grouped_wgrad``. The unfused path runs the same. Run 39a (H100, DSv3, scripts/probe_mx_wgrad.py):
@@ -106,6 +112,7 @@ KERNELS = RecipeKernels(
     operand_reader=operand_reader, fc1_off_tile=lambda: FC1_OFF_TILE,
     values_in_pass=lambda: EXPAND_BEFORE_GEMM and QUANTIZE_TO_VALUES,
     wgrad_reads_saved=lambda: X_CODES_IN_WGRAD, library_wgrad=cublas_wgrad,
+    keeps_values=lambda: KEEP_COLUMNWISE_VALUES,
 )
 check_shapes = KERNELS.check_shapes
 mxfp8_expert_mlp = KERNELS.expert_mlp
