@@ -3,7 +3,7 @@
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
 # $OUT; each step's exit code and seconds in $OUT/times.txt.
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [mx_cublas_wgrad] [mx_profile] [mx_keep_values] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [mx_cublas_wgrad] [mx_profile] [mx_keep_values] [mx_expand_probe] [host_probe] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -42,6 +42,10 @@
 # fused and unfused, each with its wgrads on cuBLAS and on the Triton kernel). mx_keep_values: the forward keeping x's
 # and a's columnwise copies as BF16 values (autograd.KEEP_COLUMNWISE_VALUES): its GPU tests, then the MLP at DSv3
 # with and without it against the unfused path, interleaved rounds (with the memory each holds after its forward).
+# mx_expand_probe: MXFP8's four weight expansions at DSv3 at a few launches against a copy of the same bytes
+# (scripts/probe_mx_expand.py).
+# host_probe: HOST_IMPLS' forward + backward eager, replayed from a CUDA graph, and their host calls' CPU time behind
+# a sleep kernel with cProfile's top functions (scripts/probe_host_overhead.py).
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
 # mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
@@ -122,6 +126,9 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
     padded_bench) step recipes_gpt_oss "${PADDED_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
                     --recipes "${PADDED_RECIPES:-fp8_block,mxfp8,nvfp4}" --shapes gpt-oss --no-kernels --rounds "${ROUNDS:-3}" \
                     ${PADDED_ONLY:+--implementations "$PADDED_ONLY"} --out "$OUT/recipes_gpt_oss";;
+    host_probe) step probe_host_overhead "${PROBE_TIMEOUT:-200}" python scripts/probe_host_overhead.py \
+                  --impls "${HOST_IMPLS:-mxfp8_fused,mxfp8_unfused,bf16_unfused}" --out "$OUT/probe_host_overhead";;
+    mx_expand_probe) step probe_mx_expand "${PROBE_TIMEOUT:-120}" python scripts/probe_mx_expand.py --out "$OUT/probe_mx_expand";;
     mx_profile) step profile_mxfp8 "${PROFILE_TIMEOUT:-200}" python scripts/profile_mlp.py --iterations 3 --impls \
                   "${PROFILE_IMPLS:-mxfp8_fused,mxfp8_unfused,mxfp8_fused_triton_wgrad,mxfp8_unfused_triton_wgrad}" \
                   --shape dsv3-e32 --out "$OUT/profile_mxfp8";;

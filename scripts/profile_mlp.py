@@ -9,6 +9,7 @@ torch.profiler, per iteration, largest first, with the gradients landing in ``.g
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -36,16 +37,34 @@ def kernel_table(fn, params, dy, iterations: int) -> str:
             step()
         torch.cuda.synchronize()
     rows = {}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for event in kernels:
         name = event.name[:90]
         total, count = rows.get(name, (0.0, 0))
         rows[name] = (total + event.time_range.elapsed_us(), count + 1)
     lines, grand = [], sum(total for total, _ in rows.values()) / iterations / 1e3
     for name, (total, count) in sorted(rows.items(), key=lambda item: -item[1][0]):
         lines.append(f"{total / iterations / 1e3:8.3f} ms  x{count / iterations:4.1f}  {name}")
-    return f"GPU time per fwd+bwd: {grand:.3f} ms (kernels back to back, no gaps)\n" + "\n".join(lines)
+    return (f"GPU time per fwd+bwd: {grand:.3f} ms (kernels back to back, no gaps)\n" + idle_gaps(kernels, iterations)
+            + "\n" + "\n".join(lines))
+
+
+def idle_gaps(kernels, iterations: int, largest: int = 12) -> str:
+    """The GPU's idle time between the profiled kernels (the span from the first kernel's start to the last's end,
+    less the time some kernel ran), per call, and the largest gaps with the kernels either side."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in kernels)
+    gaps, busy_until, before = [], spans[0][0], spans[0][2]
+    for start, end, name in spans:
+        if start > busy_until:
+            gaps.append((start - busy_until, before, name))
+        if end > busy_until:
+            busy_until, before = end, name
+    idle = sum(g for g, _, _ in gaps)
+    lines = [f"span per fwd+bwd: {(busy_until - spans[0][0]) / iterations / 1e3:.3f} ms, idle between kernels "
+             f"{idle / iterations / 1e3:.3f} ms ({len(gaps) / iterations:.0f} gaps); largest:"]
+    for gap, prev, nxt in sorted(gaps, reverse=True)[:largest]:
+        lines.append(f"  {gap / 1e3:7.3f} ms  after {prev}  before {nxt}")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -60,8 +79,9 @@ def main() -> int:
     for name in args.impls.split(","):
         fn = bench_recipes.IMPLEMENTATIONS[name]
         x, w1, w2 = (inputs[key].clone().requires_grad_(True) for key in ("x", "w1", "w2"))
-        table = kernel_table(lambda: fn(x, inputs["counts"], w1, w2, shape.activation), [x, w1, w2], inputs["dy"],
-                             args.iterations)
+        with getattr(fn, "context", contextlib.nullcontext)():  # a variant's flags (bench_recipes.VARIANTS)
+            table = kernel_table(lambda: fn(x, inputs["counts"], w1, w2, shape.activation), [x, w1, w2],
+                                 inputs["dy"], args.iterations)
         text = f"{name} at {args.shape} ({torch.cuda.get_device_name()})\n{table}\n"
         print(text, flush=True)
         if args.out:

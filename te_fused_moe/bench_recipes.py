@@ -349,7 +349,11 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       # the forward keeping x's and a's columnwise copies as the BF16 values the wgrads read
                       # (autograd.KEEP_COLUMNWISE_VALUES) instead of FP8 codes expanded before each wgrad; the
                       # unfused path keeps MXFP8 tensors, as TE does
-                      "mxfp8_fused_keep_values": _fused_under("mxfp8", autograd=dict(KEEP_COLUMNWISE_VALUES=True))},
+                      "mxfp8_fused_keep_values": _fused_under("mxfp8", autograd=dict(KEEP_COLUMNWISE_VALUES=True)),
+                      # ... and with the weight cache's BF16 values too (both opt-ins: against
+                      # mxfp8_unfused_bf16_weights)
+                      "mxfp8_fused_keep_values_bf16_weights": _fused_under(
+                          "mxfp8", autograd=dict(KEEP_COLUMNWISE_VALUES=True, BF16_WEIGHT_VALUES=True))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True))}}
 for _variants in VARIANTS.values():

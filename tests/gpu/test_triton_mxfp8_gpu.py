@@ -202,6 +202,11 @@ GPU_CASES = [  # few, because each activation / option combination compiles its 
     ("gptoss-2880-padded-cublaswgrad", 2048, 2880, 2880, 4, "gpt_oss_swiglu", True, True, "zipf", 7, True, True,
      (), "E4M3"),
     ("swiglu-zipf-hbf16-tritonwgrad", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, False, True, (), "E4M3"),
+    # the forward keeping x's and a's columnwise copies as BF16 values (autograd.KEEP_COLUMNWISE_VALUES), h in FP32
+    # and BF16
+    ("swiglu-empty-hybrid-keepvalues", 4096, 512, 256, 16, "swiglu", True, True, "empty", 100, True, True, (),
+     "HYBRID"),
+    ("swiglu-zipf-hbf16-keepvalues", 4096, 512, 256, 8, "swiglu", True, True, "zipf", 13, False, True, (), "E4M3"),
     # GPT-OSS's widths (2880 = 22.5 tiles): the zero-padded path (padded.py)
     ("gptoss-2880-padded", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), "E4M3"),
 ]

@@ -43,6 +43,10 @@ TILE = 128  # schedule M tile
 # The quantize pass's launch: 128 columns per program, 4 warps (run 33 on an H100, DSv3's x: 0.567 ms for
 # both copies' codes against 0.94 at 8 warps and 0.76 at 64 columns; scripts/probe_mx_quantize.py).
 QUANT_COLS, QUANT_WARPS = 128, 4
+# The weight cache's refresh (once per optimizer step; in a captured CUDA graph, every replay): "chunks" =
+# quantize_weight_chunks_kernel, a tile's rows 32 at a time as the activations' pass takes them; "tiles" =
+# quantize_weight_kernel, the whole 128 x 128 tile by 3-D reshapes (before session 36). Same bytes.
+WEIGHT_KERNEL = "chunks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +301,34 @@ def quantize_weight_kernel(
         tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
 
 
+@triton.jit
+def quantize_weight_chunks_kernel(
+    w_ptr, stride_we, stride_wn,
+    q_ptr, s_ptr, stride_se, stride_sk,
+    qt_ptr, st_ptr, stride_ste, stride_stn,
+    N, K,
+    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
+    TRANSPOSED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+):
+    """:func:`quantize_weight_kernel`'s copies of one (expert, ``BM`` rows, ``BK`` columns) tile of ``w[e]``, its
+    rows 32 at a time by :func:`store_mx_chunk`, as the activations' pass (:func:`quantize_chunks_kernel`) takes
+    them: w's rows are that pass's tokens, so its columnwise copy is the weight's ``qt[e]`` [K, N] with 32-row
+    blocks and its rowwise copy ``q[e]``. Why: the 3-D reshapes of the whole tile cost the activations' pass
+    twice the instructions per element (run 33), and the refresh moves 4 bytes per weight element."""
+    e = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    cols = tl.program_id(2) * BK + tl.arange(0, BK)
+    chunk = tl.arange(0, 32)
+    every_row = chunk < 32  # N is a multiple of BM: every row of the tile is w's
+    out = e * N * K
+    for j in tl.static_range(BM // 32):
+        first = (pid_n * BM + j * 32).to(tl.int64)
+        w = tl.load(w_ptr + e * stride_we + first * stride_wn + (chunk * stride_wn)[:, None] + cols[None, :])
+        store_mx_chunk(w.to(tl.float32), first, every_row, cols, pid_n * (BM // 32) + j, q_ptr + out, K,
+                       s_ptr + e * stride_se, 1, stride_sk, qt_ptr + out, N, st_ptr + e * stride_ste, stride_stn,
+                       True, TRANSPOSED, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP, BK)
+
+
 def _codes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
@@ -362,14 +394,16 @@ def quantize_weight(w: torch.Tensor, spec: MXSpec, *, transposed: bool = True, a
     data_t = alloc((e, k, n), device=w.device, dtype=spec.torch_dtype) if transposed else None
     scale_t = alloc((e, n // MX, k), device=w.device, dtype=torch.uint8).transpose(1, 2) if transposed else None
     if w.numel():
-        quantize_weight_kernel[(e, n // TILE, k // TILE)](
-            w, w.stride(0), w.stride(1),
-            _codes(data), scale, scale.stride(0), scale.stride(2),
-            _codes(data_t) if transposed else _codes(data), scale_t if transposed else scale,
-            scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0,
-            n, k, **spec.constexprs(), TRANSPOSED=transposed, BLK=TILE,
-            num_warps=4 if interpreting() else 8,
-        )
+        args = (w, w.stride(0), w.stride(1), _codes(data), scale, scale.stride(0), scale.stride(2),
+                _codes(data_t) if transposed else _codes(data), scale_t if transposed else scale,
+                scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0, n, k)
+        if WEIGHT_KERNEL == "chunks":
+            quantize_weight_chunks_kernel[(e, n // TILE, k // QUANT_COLS)](
+                *args, **spec.constexprs(), TRANSPOSED=transposed, BM=TILE, BK=QUANT_COLS,
+                num_warps=4 if interpreting() else QUANT_WARPS)
+        else:
+            quantize_weight_kernel[(e, n // TILE, k // TILE)](
+                *args, **spec.constexprs(), TRANSPOSED=transposed, BLK=TILE, num_warps=4 if interpreting() else 8)
     q = MXWeight(data, scale, data_t, scale_t)
     if spec.bf16_values:
         q.values = expand_values(data, scale, alloc=alloc)
