@@ -1,8 +1,9 @@
 """Why an MLP's forward + backward takes longer than its kernels: the GPU idle between them, and the host work
 that leaves it idle. Run 40a (H100, DSv3): MXFP8 fused timed 17.22 ms with 16.46 ms of kernels, its unfused path
-22.23 with 22.05. Runs 40d-g with this probe: no call waits on the GPU, the host spends 2-2.5 ms of Python per fused
-forward + backward (0.8 for BF16 unfused), and queued the fused path takes 0.1-0.3 ms less per call than timed call
-by call while the unfused path takes the same (``benchmarks/results/run40_keep_values_refresh/``).
+22.23 with 22.05. Runs 40d-g with this probe: no call waits on the GPU, the host spends 3.7-5.5 ms of Python per
+fused forward + backward under cProfile (0.7-0.8 for BF16 unfused), and queued the fused path takes 0.1-0.3 ms less
+per call than timed call by call while the unfused path takes the same
+(``benchmarks/results/run40_keep_values_refresh/``).
 
 Per implementation (names from ``te_fused_moe.bench_recipes.IMPLEMENTATIONS``, their variant flags set):
 
