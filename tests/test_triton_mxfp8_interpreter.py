@@ -284,20 +284,15 @@ def check_quantize_kernels(device: str, seed: int = 0) -> dict:
                 tail = copy[:, 128 * ts + (re_ - rs): 128 * te_].cpu().contiguous().view(torch.uint8)
                 bad["col_tail_nonzero"] += int((tail != 0).sum())
         w = _nasty(torch.randn(3 * 256, K, generator=g).to(dtype)).reshape(3, 256, K).to(device)
+        qw = Q.quantize_weight(w, spec, alloc=poison_alloc)
         bad.update(w_data=0, w_scale=0, w_data_t=0, w_scale_t=0)
-        shipped = Q.WEIGHT_KERNEL
-        for Q.WEIGHT_KERNEL in ("chunks", "tiles"):  # both weight kernels (quantize.WEIGHT_KERNEL)
-            try:
-                qw = Q.quantize_weight(w, spec, alloc=poison_alloc)
-            finally:
-                Q.WEIGHT_KERNEL = shipped
-            for e in range(3):
-                rw = ref.quantize(w[e].cpu(), axis=1, fp8_format=fmt)
-                rt = ref.quantize(w[e].cpu(), axis=0, fp8_format=fmt)
-                bad["w_data"] += _diff8(qw.data[e], rw.data)
-                bad["w_scale"] += _diff8(qw.scale[e], rw.scale)
-                bad["w_data_t"] += _diff8(qw.data_t[e].T, rt.data)
-                bad["w_scale_t"] += _diff8(qw.scale_t[e].T, rt.scale)
+        for e in range(3):
+            rw = ref.quantize(w[e].cpu(), axis=1, fp8_format=fmt)
+            rt = ref.quantize(w[e].cpu(), axis=0, fp8_format=fmt)
+            bad["w_data"] += _diff8(qw.data[e], rw.data)
+            bad["w_scale"] += _diff8(qw.scale[e], rw.scale)
+            bad["w_data_t"] += _diff8(qw.data_t[e].T, rt.data)
+            bad["w_scale_t"] += _diff8(qw.scale_t[e].T, rt.scale)
         out[f"{dtype}-{fmt}-{routing}-T{T}-K{K}"] = bad
     return out
 
@@ -822,12 +817,9 @@ def sm90_build_report() -> dict:
                                                             qts_ptr="*u8", colsum_ptr="*fp32", sched_ptr="*i32"),
                              dict(ROWWISE=True, COLWISE=True, COLSUM=True, **spec, BM=128, BK=Q.QUANT_COLS),
                              Q.QUANT_WARPS, 1)
-    report["quantize_weight_chunks"] = build(Q.quantize_weight_chunks_kernel,
-                                             dict(w_ptr="*bf16", q_ptr="*u8", s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
-                                             dict(**spec, TRANSPOSED=True, BM=128, BK=Q.QUANT_COLS), Q.QUANT_WARPS, 1)
     report["quantize_weight"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", q_ptr="*u8", s_ptr="*u8",
                                                                      qt_ptr="*u8", st_ptr="*u8"),
-                                      dict(**spec, TRANSPOSED=True, BLK=128))
+                                      dict(**spec, TRANSPOSED=True, BM=128, BK=Q.QUANT_COLS), Q.QUANT_WARPS, 1)
     return report
 
 

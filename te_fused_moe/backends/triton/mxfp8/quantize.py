@@ -43,10 +43,6 @@ TILE = 128  # schedule M tile
 # The quantize pass's launch: 128 columns per program, 4 warps (run 33 on an H100, DSv3's x: 0.567 ms for
 # both copies' codes against 0.94 at 8 warps and 0.76 at 64 columns; scripts/probe_mx_quantize.py).
 QUANT_COLS, QUANT_WARPS = 128, 4
-# The weight cache's refresh (once per optimizer step; in a captured CUDA graph, every replay): "chunks" =
-# quantize_weight_chunks_kernel, a tile's rows 32 at a time as the activations' pass takes them; "tiles" =
-# quantize_weight_kernel, the whole 128 x 128 tile by 3-D reshapes (before session 36). Same bytes.
-WEIGHT_KERNEL = "chunks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,43 +274,14 @@ def quantize_weight_kernel(
     qt_ptr, st_ptr, stride_ste, stride_stn,
     N, K,
     MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
-    TRANSPOSED: tl.constexpr, BLK: tl.constexpr,
-):
-    """One 128x128 tile of ``w[e]`` [N, K]: ``q[e]`` [N, K] with 1x32 blocks along K (scales at
-    ``s[e, k // 32, n]``) and ``qt[e]`` [K, N] with 1x32 blocks along N (scales at ``st[e, n // 32, k]``)."""
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_n * BLK + tl.arange(0, BLK)
-    cols = pid_k * BLK + tl.arange(0, BLK)
-    base = e.to(tl.int64) * stride_we
-    w = tl.load(w_ptr + base + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
-    out = e.to(tl.int64) * N * K
-    codes, sc = quantize_rowwise_block(w, BLK, BLK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-    tl.store(q_ptr + out + rows[:, None] * K + cols[None, :], codes)
-    kb = pid_k * (BLK // 32) + tl.arange(0, BLK // 32)
-    tl.store(s_ptr + e * stride_se + kb[None, :] * stride_sk + rows[:, None], sc)
-    if TRANSPOSED:
-        codes_t, sc_t = quantize_colwise_block(w, BLK, BLK, MANT, EBIAS, FP8_MAX, MAX_NORM_RCP)
-        tl.store(qt_ptr + out + cols[:, None] * N + rows[None, :], tl.trans(codes_t))
-        nb = pid_n * (BLK // 32) + tl.arange(0, BLK // 32)
-        tl.store(st_ptr + e * stride_ste + nb[:, None] * stride_stn + cols[None, :], sc_t)
-
-
-@triton.jit
-def quantize_weight_chunks_kernel(
-    w_ptr, stride_we, stride_wn,
-    q_ptr, s_ptr, stride_se, stride_sk,
-    qt_ptr, st_ptr, stride_ste, stride_stn,
-    N, K,
-    MANT: tl.constexpr, EBIAS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_NORM_RCP: tl.constexpr,
     TRANSPOSED: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """:func:`quantize_weight_kernel`'s copies of one (expert, ``BM`` rows, ``BK`` columns) tile of ``w[e]``, its
-    rows 32 at a time by :func:`store_mx_chunk`, as the activations' pass (:func:`quantize_chunks_kernel`) takes
-    them: w's rows are that pass's tokens, so its columnwise copy is the weight's ``qt[e]`` [K, N] with 32-row
-    blocks and its rowwise copy ``q[e]``. Why: the 3-D reshapes of the whole tile cost the activations' pass
-    twice the instructions per element (run 33), and the refresh moves 4 bytes per weight element."""
+    """One (expert, ``BM`` rows, ``BK`` columns) tile of ``w[e]`` [N, K]: ``q[e]`` [N, K] with 1x32 blocks along K
+    (scales at ``s[e, k // 32, n]``) and ``qt[e]`` [K, N] with 1x32 blocks along N (scales at ``st[e, n // 32, k]``).
+    The tile's rows go 32 at a time through :func:`store_mx_chunk`, as the activations' pass takes its tokens, so
+    the transposed copy is that pass's columnwise one. The kernel before it (until run 40) quantized the whole tile
+    by 3-D reshapes: 50 SASS instructions per element against 34, 6.08 against 3.31 ms for DSv3's w1 and w2 on an
+    H100 (``scripts/probe_mx_expand.py``), the same bytes."""
     e = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     cols = tl.program_id(2) * BK + tl.arange(0, BK)
@@ -394,16 +361,14 @@ def quantize_weight(w: torch.Tensor, spec: MXSpec, *, transposed: bool = True, a
     data_t = alloc((e, k, n), device=w.device, dtype=spec.torch_dtype) if transposed else None
     scale_t = alloc((e, n // MX, k), device=w.device, dtype=torch.uint8).transpose(1, 2) if transposed else None
     if w.numel():
-        args = (w, w.stride(0), w.stride(1), _codes(data), scale, scale.stride(0), scale.stride(2),
-                _codes(data_t) if transposed else _codes(data), scale_t if transposed else scale,
-                scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0, n, k)
-        if WEIGHT_KERNEL == "chunks":
-            quantize_weight_chunks_kernel[(e, n // TILE, k // QUANT_COLS)](
-                *args, **spec.constexprs(), TRANSPOSED=transposed, BM=TILE, BK=QUANT_COLS,
-                num_warps=4 if interpreting() else QUANT_WARPS)
-        else:
-            quantize_weight_kernel[(e, n // TILE, k // TILE)](
-                *args, **spec.constexprs(), TRANSPOSED=transposed, BLK=TILE, num_warps=4 if interpreting() else 8)
+        quantize_weight_kernel[(e, n // TILE, k // QUANT_COLS)](
+            w, w.stride(0), w.stride(1),
+            _codes(data), scale, scale.stride(0), scale.stride(2),
+            _codes(data_t) if transposed else _codes(data), scale_t if transposed else scale,
+            scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0,
+            n, k, **spec.constexprs(), TRANSPOSED=transposed, BM=TILE, BK=QUANT_COLS,
+            num_warps=4 if interpreting() else QUANT_WARPS,
+        )
     q = MXWeight(data, scale, data_t, scale_t)
     if spec.bf16_values:
         q.values = expand_values(data, scale, alloc=alloc)
