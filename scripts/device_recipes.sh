@@ -44,8 +44,9 @@
 # with and without it against the unfused path, interleaved rounds (with the memory each holds after its forward).
 # mx_expand_probe: MXFP8's four weight expansions at DSv3 at a few launches against a copy of the same bytes
 # (scripts/probe_mx_expand.py).
-# host_probe: HOST_IMPLS' forward + backward eager, replayed from a CUDA graph, and their host calls' CPU time behind
-# a sleep kernel with cProfile's top functions (scripts/probe_host_overhead.py).
+# host_probe: HOST_IMPLS' forward + backward timed call by call and ten calls queued behind a sleep kernel, and their
+# host calls' CPU time behind a sleep kernel with cProfile's top functions (scripts/probe_host_overhead.py).
+# mx_expand_probe also times the weight cache's refresh (quantize.quantize_weight).
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
 # mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
