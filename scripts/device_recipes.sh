@@ -39,7 +39,8 @@
 # DSv3 fused and unfused, each with its wgrads on either kernel (autograd.VALUES_WGRAD_KERNEL: cuBLAS since run 39a, and
 # the Triton kernel), interleaved rounds.
 # mx_profile: the MXFP8 MLP's kernels at DSv3 under torch.profiler (scripts/profile_mlp.py; PROFILE_IMPLS, by default
-# fused and unfused, each with its wgrads on cuBLAS and on the Triton kernel). mx_keep_values: the forward keeping x's
+# fused and unfused, each with its wgrads on cuBLAS and on the Triton kernel; PROFILE_ARGS=--as-do-bench: each call
+# as do_bench times it, the host profiled too, Chrome traces). mx_keep_values: the forward keeping x's
 # and a's columnwise copies as BF16 values (autograd.KEEP_COLUMNWISE_VALUES): its GPU tests, then the MLP at DSv3
 # with and without it against the unfused path, interleaved rounds (with the memory each holds after its forward).
 # mx_expand_probe: MXFP8's four weight expansions at DSv3 at a few launches against a copy of the same bytes
@@ -132,7 +133,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
     mx_expand_probe) step probe_mx_expand "${PROBE_TIMEOUT:-120}" python scripts/probe_mx_expand.py --out "$OUT/probe_mx_expand";;
     mx_profile) step profile_mxfp8 "${PROFILE_TIMEOUT:-200}" python scripts/profile_mlp.py --iterations 3 --impls \
                   "${PROFILE_IMPLS:-mxfp8_fused,mxfp8_unfused,mxfp8_fused_triton_wgrad,mxfp8_unfused_triton_wgrad}" \
-                  --shape dsv3-e32 --out "$OUT/profile_mxfp8";;
+                  --shape dsv3-e32 ${PROFILE_ARGS:-} --out "$OUT/profile_mxfp8";;
     mx_keep_values) step pytest_keep_values "${KEEP_TESTS_TIMEOUT:-150}" python -m pytest -m gpu -q -p no:cacheprovider \
                       tests/gpu/test_triton_mxfp8_gpu.py -k "keep"
                     step recipes_mxfp8_keep_values "${MXFP8_BENCH_TIMEOUT:-240}" python scripts/bench_recipes.py \
