@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the device machine runs for the block-scaled recipes (runs 22 on): their GPU tests, then the
 # recipe benchmark at DSv3 (MLP in interleaved rounds + each kernel alone, same process). Logs under
-# $OUT; each step's exit code and seconds in $OUT/times.txt.
+# $OUT; each step's exit code, seconds and wall-clock span in $OUT/times.txt (CLOCKS=1: the GPU's clocks in
+# $OUT/clocks.csv).
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
 #          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [mx_cublas_wgrad] [mx_profile] [mx_keep_values] [mx_expand_probe] [host_probe] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
@@ -78,13 +79,21 @@ OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 STEPS=${*:-fp8_tests mxfp8_tests fp8_bench mxfp8_bench}
+if [ -n "${CLOCKS:-}" ]; then  # the SM clock, power and clock-limit reasons every 100 ms, beside the steps' times
+  reasons=clocks_event_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,$reasons \
+    --format=csv,nounits -lms 100 > "$OUT/clocks.csv" 2>&1 &
+  trap "kill $! 2> /dev/null" EXIT
+fi
 python -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" \
   > "$OUT/env.txt" 2>&1
 step() {  # name, timeout, command...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
+  local began; began=$(date +%T.%N)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - start)) s" | tee -a "$OUT/times.txt"
+  echo "$name rc=$? $((SECONDS - start)) s ($began to $(date +%T.%N))" | tee -a "$OUT/times.txt"
   tail -3 "$OUT/$name.log"
 }
 for s in $STEPS; do

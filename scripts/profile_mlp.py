@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,7 +116,8 @@ def main() -> int:
                 os.makedirs(args.out, exist_ok=True)
             table = kernel_table(lambda: fn(x, inputs["counts"], w1, w2, shape.activation), [x, w1, w2],
                                  inputs["dy"], args.iterations, args.as_do_bench, trace)
-        text = f"{name} at {args.shape} ({torch.cuda.get_device_name()})\n{table}\n"
+        began = time.strftime("%H:%M:%S")  # to match the call with a clock log (device_recipes.sh CLOCKS=1)
+        text = f"{name} at {args.shape} ({torch.cuda.get_device_name()}), profiled up to {began}\n{table}\n"
         print(text, flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
