@@ -39,6 +39,8 @@
 # probe (cuBLAS on the columnwise copies as kept, "cublas_slots", next to the shipped kernel), then the MXFP8 MLP at
 # DSv3 fused and unfused, each with its wgrads on either kernel (autograd.VALUES_WGRAD_KERNEL: cuBLAS since run 39a, and
 # the Triton kernel), interleaved rounds.
+# sustained: forward + backward of SUSTAINED_IMPLS after 2 s back to back (the GPU at its power limit), the SM
+# clock sampled beside each timing, interleaved rounds, SUSTAINED_RATIOS (te_fused_moe/bench_sustained.py).
 # mx_profile: the MXFP8 MLP's kernels at DSv3 under torch.profiler (scripts/profile_mlp.py; PROFILE_IMPLS, by default
 # fused and unfused, each with its wgrads on cuBLAS and on the Triton kernel; PROFILE_ARGS=--as-do-bench: each call
 # as do_bench times it, the host profiled too, Chrome traces). mx_keep_values: the forward keeping x's
@@ -140,6 +142,9 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
     host_probe) step probe_host_overhead "${PROBE_TIMEOUT:-200}" python scripts/probe_host_overhead.py \
                   --impls "${HOST_IMPLS:-mxfp8_fused,mxfp8_unfused,bf16_unfused}" --out "$OUT/probe_host_overhead";;
     mx_expand_probe) step probe_mx_expand "${PROBE_TIMEOUT:-120}" python scripts/probe_mx_expand.py --out "$OUT/probe_mx_expand";;
+    sustained) step sustained "${SUSTAINED_TIMEOUT:-300}" python scripts/bench_sustained.py --rounds "${ROUNDS:-5}" \
+                 --impls "${SUSTAINED_IMPLS:-bf16_unfused,mxfp8_unfused,mxfp8_fused}" \
+                 --ratios "${SUSTAINED_RATIOS:-mxfp8_fused:mxfp8_unfused,mxfp8_fused:bf16_unfused}" --out "$OUT/sustained";;
     mx_profile) step profile_mxfp8 "${PROFILE_TIMEOUT:-200}" python scripts/profile_mlp.py --iterations 3 --impls \
                   "${PROFILE_IMPLS:-mxfp8_fused,mxfp8_unfused,mxfp8_fused_triton_wgrad,mxfp8_unfused_triton_wgrad}" \
                   --shape dsv3-e32 ${PROFILE_ARGS:-} --out "$OUT/profile_mxfp8";;
