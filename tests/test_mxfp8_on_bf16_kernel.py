@@ -137,13 +137,13 @@ def sm90_build_report() -> dict:
             cfg = gemm.plain_values_config(2048, k, out_dtype)
             types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                          b_src=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", c_ptr=out_type, h_ptr=out_type,
-                         bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32",
+                         bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", scale_ptr="*fp32", alpha="fp32",
                          limit="fp32")
             consts = dict(MODE=grouped_gemm.MODE_PLAIN, ACT=ACT_IDS["swiglu"], GATED=False, HAS_BIAS=True,
                           HAS_PROBS=False, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True, EVEN_N=True,
                           N_VEC8=True, USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=False, UPCAST=False,
                           PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, GATE_UP_BOX=False, BM=cfg.block_m,
-                          BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
+                          BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, HAS_SCALE=False)
             report[f"{out_type[1:]}_k{k}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts,
                                                         cfg.num_warps, cfg.num_stages)
     # FC1 with MXFP8's store of a (both copies, rowwise values), h in BF16 and FP32 (3 stages)
@@ -152,14 +152,14 @@ def sm90_build_report() -> dict:
     for h_type in ("*bf16", "*fp32"):
         types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                      b_src=f"tensordesc<bf16[2, {cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
-                     bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32",
+                     bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", scale_ptr="*fp32", alpha="fp32",
                      limit="fp32", epi_store_args=A_COPIES_ARGS)
         consts = dict(MODE=grouped_gemm.MODE_ACT_FWD, ACT=ACT_IDS["swiglu"], GATED=True, HAS_BIAS=True,
                       HAS_PROBS=True, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True, EVEN_N=True, N_VEC8=True,
                       USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=False, UPCAST=False, PERSISTENT=cfg.persistent,
                       FLATTEN=cfg.flatten, GATE_UP_BOX=cfg.gate_up_box, EPI_STORE=gemm.store_mx_activation,
                       EPI_STORE_CONSTS=(True, True, *spec.constexprs().values()), BM=cfg.block_m, BN=cfg.block_n,
-                      BK=cfg.block_k, GROUP_M=cfg.group_m)
+                      BK=cfg.block_k, GROUP_M=cfg.group_m, HAS_SCALE=False)
         report[f"fc1_h_{h_type[1:]}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts, cfg.num_warps,
                                                    cfg.num_stages)
     # the dGLU with MXFP8's store of dh (both copies, values; db1 sums), h in BF16 and FP32, at its default config
@@ -167,14 +167,14 @@ def sm90_build_report() -> dict:
     for h_type in ("*bf16", "*fp32"):
         types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                      b_src=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
-                     bias_ptr=h_type, probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", alpha="fp32",
+                     bias_ptr=h_type, probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", scale_ptr="*fp32", alpha="fp32",
                      limit="fp32", epi_store_args=DH_COPIES_ARGS + ("i32", "*fp32", "i32"))
         consts = dict(MODE=grouped_gemm.MODE_ACT_BWD, ACT=ACT_IDS["swiglu"], GATED=True, HAS_BIAS=False,
                       HAS_PROBS=True, WRITE_DPROB=True, DPROB_PARTIALS=True, EVEN_K=True, EVEN_N=True, N_VEC8=True,
                       USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=True, UPCAST=False, PERSISTENT=cfg.persistent,
                       FLATTEN=cfg.flatten, GATE_UP_BOX=False, EPI_STORE=gemm.store_mx_gate_up_grads,
                       EPI_STORE_CONSTS=(True, True, *spec.constexprs().values(), True), BM=cfg.block_m,
-                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
+                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m, HAS_SCALE=False)
         report[f"dglu_h_{h_type[1:]}"] = build_sm90(grouped_gemm.grouped_gemm_kernel, types, consts, cfg.num_warps,
                                                     cfg.num_stages)
     return report

@@ -127,7 +127,7 @@ def grouped_gemm_kernel(
     c_ptr, stride_cm, c_up_offset,
     h_ptr, stride_hm, h_up_offset,
     bias_ptr, stride_bias_e, bias_up_offset,
-    probs_ptr, dprob_ptr, stride_dprob_part,
+    probs_ptr, dprob_ptr, stride_dprob_part, scale_ptr,
     sched_ptr, epi_store_args,
     T, N, K, alpha, limit, MAX_M_TILES, NUM_GROUPS, NUM_PROGRAMS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
@@ -135,6 +135,7 @@ def grouped_gemm_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, PERSISTENT: tl.constexpr,
     FLATTEN: tl.constexpr, GATE_UP_BOX: tl.constexpr, EPI_STORE: tl.constexpr, EPI_STORE_CONSTS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -160,10 +161,10 @@ def grouped_gemm_kernel(
                 _gemm_tile(
                     first_m + pid_m, pid_n, a_src, stride_am, stride_ak, b_src, stride_be, stride_bk, stride_bn,
                     b_up_offset, B_ROWS, c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr,
-                    stride_bias_e, bias_up_offset, probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, epi_store_args,
-                    T, N, K, alpha, limit, NUM_GROUPS, MODE, ACT, GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB,
-                    DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR, SPLIT_EPILOGUE, UPCAST, phase == 0,
-                    GATE_UP_BOX, EPI_STORE, EPI_STORE_CONSTS, BM, BN, BK)
+                    stride_bias_e, bias_up_offset, probs_ptr, dprob_ptr, stride_dprob_part, scale_ptr, sched_ptr,
+                    epi_store_args, T, N, K, alpha, limit, NUM_GROUPS, MODE, ACT, GATED, HAS_BIAS, HAS_PROBS,
+                    WRITE_DPROB, DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA, B_KMAJOR, SPLIT_EPILOGUE, UPCAST,
+                    phase == 0, GATE_UP_BOX, EPI_STORE, EPI_STORE_CONSTS, HAS_SCALE, BM, BN, BK)
     else:
         # one program per tile of the worst-case grid: GROUP_M swizzle for L2 reuse of B; programs past
         # the last tile exit at once
@@ -174,9 +175,10 @@ def grouped_gemm_kernel(
         _gemm_tile(
             pid_m, pid_n, a_src, stride_am, stride_ak, b_src, stride_be, stride_bk, stride_bn, b_up_offset, B_ROWS,
             c_ptr, stride_cm, c_up_offset, h_ptr, stride_hm, h_up_offset, bias_ptr, stride_bias_e, bias_up_offset,
-            probs_ptr, dprob_ptr, stride_dprob_part, sched_ptr, epi_store_args, T, N, K, alpha, limit, NUM_GROUPS,
-            MODE, ACT, GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8, USE_TMA,
-            B_KMAJOR, SPLIT_EPILOGUE, UPCAST, False, GATE_UP_BOX, EPI_STORE, EPI_STORE_CONSTS, BM, BN, BK)
+            probs_ptr, dprob_ptr, stride_dprob_part, scale_ptr, sched_ptr, epi_store_args, T, N, K, alpha, limit,
+            NUM_GROUPS, MODE, ACT, GATED, HAS_BIAS, HAS_PROBS, WRITE_DPROB, DPROB_PARTIALS, EVEN_K, EVEN_N, N_VEC8,
+            USE_TMA, B_KMAJOR, SPLIT_EPILOGUE, UPCAST, False, GATE_UP_BOX, EPI_STORE, EPI_STORE_CONSTS, HAS_SCALE, BM,
+            BN, BK)
 
 
 @triton.jit
@@ -187,14 +189,14 @@ def _gemm_tile(
     c_ptr, stride_cm, c_up_offset,
     h_ptr, stride_hm, h_up_offset,
     bias_ptr, stride_bias_e, bias_up_offset,
-    probs_ptr, dprob_ptr, stride_dprob_part,
+    probs_ptr, dprob_ptr, stride_dprob_part, scale_ptr,
     sched_ptr, epi_store_args,
     T, N, K, alpha, limit, NUM_GROUPS,
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROBS: tl.constexpr, WRITE_DPROB: tl.constexpr, DPROB_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, N_VEC8: tl.constexpr, USE_TMA: tl.constexpr,
     B_KMAJOR: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr, UPCAST: tl.constexpr, EXPERT_TILE: tl.constexpr,
-    GATE_UP_BOX: tl.constexpr, EPI_STORE: tl.constexpr, EPI_STORE_CONSTS: tl.constexpr,
+    GATE_UP_BOX: tl.constexpr, EPI_STORE: tl.constexpr, EPI_STORE_CONSTS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """One output tile: (group, row block) from the schedule, the K loop, the epilogue of ``MODE``.
@@ -276,6 +278,11 @@ def _gemm_tile(
             b_ptrs += BK * stride_bk
     if GATE_UP_BOX:
         acc, acc_up = column_halves(acc, BM, BN)
+    if HAS_SCALE:  # one FP32 factor per group on the sums (NVFP4's two tensor scales), before any epilogue
+        factor = tl.load(scale_ptr + group)
+        acc = acc * factor
+        if GATED and MODE == 1:
+            acc_up = acc_up * factor
 
     # --- epilogue, FP32
     out_mask = row_ok[:, None] & col_ok[None, :]
@@ -434,13 +441,14 @@ def launch_scheduled(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tup
                      bias: Optional[torch.Tensor] = None, bias_up_offset: int = 0,
                      probs: Optional[torch.Tensor] = None, dprob: Optional[torch.Tensor] = None,
                      activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0, gated: bool = False,
-                     epilogue_store: Optional[tuple] = None):
+                     epilogue_store: Optional[tuple] = None, scale: Optional[torch.Tensor] = None):
     """:func:`launch` on a ``schedule`` already built for ``cfg.block_m``-row tiles of ``num_experts``
     experts (``schedule.build_schedule``): what a caller holding the schedule, not the counts, runs
     (the block-scaled recipes' GEMMs on BF16 values). ``epilogue_store``: the store of the epilogue's
     output as ``(jit function, its argument tuple, its constexpr tuple)``, FC1's ``a`` with
     :func:`store_activation`'s signature, the dGLU's ``dh`` with :func:`store_gate_up_grads`' (``c`` is
-    then passed to it, not written by the kernel); None: those two, in ``c``'s dtype."""
+    then passed to it, not written by the kernel); None: those two, in ``c``'s dtype. ``scale``: FP32 ``[E +
+    1]``, a factor per group multiplying the FP32 sums before the epilogue (NVFP4's tensor scales)."""
     mode = {"fc1": MODE_ACT_FWD, "fc2": MODE_PLAIN, "dact": MODE_ACT_BWD, "dgrad": MODE_PLAIN}[kind]
     num_rows = a.shape[0]
     num_groups = num_experts + 1
@@ -478,6 +486,7 @@ def launch_scheduled(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tup
         probs if probs is not None else dummy,
         dprob if dprob is not None else dummy,
         dprob.stride(0) if (dprob is not None and dprob.dim() == 2) else 0,
+        scale if scale is not None else dummy,
         schedule, store_args,
         num_rows, n, k, float(alpha), float(limit), m_tiles, num_groups, num_programs if cfg.persistent else 0,
         MODE=mode, ACT=ACT_IDS[activation], GATED=gated,
@@ -486,7 +495,7 @@ def launch_scheduled(kind: str, a: torch.Tensor, b: torch.Tensor, b_strides: tup
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, N_VEC8=n % 8 == 0, USE_TMA=use_tma,
         B_KMAJOR=b_kmajor, SPLIT_EPILOGUE=mode == MODE_ACT_BWD and cfg.block_n >= 32, UPCAST=interpreting(),
         PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, GATE_UP_BOX=gate_up_box, EPI_STORE=store_fn,
-        EPI_STORE_CONSTS=store_consts,
+        EPI_STORE_CONSTS=store_consts, HAS_SCALE=scale is not None,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

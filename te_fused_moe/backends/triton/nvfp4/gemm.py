@@ -21,6 +21,11 @@ any mix of the two pairs the halves alike. The two tensor scales are one FP32 fa
 the Blackwell block-scaled MMA's product up to the order of FP32 sums (the reference dequantizes
 each element with the factor rounded in; the difference is FP32 rounding).
 
+Where both operands are BF16 values, FC1, FC2 and FC1's dgrad run on the BF16 backend's persistent grouped
+GEMM instead (``VALUES_ON_BF16_KERNEL``), on this recipe's schedule, with the factor per group
+(:func:`group_factors`) multiplying its FP32 sums before the same epilogues, and a K step of 64: each 128-wide
+K block's even half, then its odd half, the order this kernel sums them in.
+
 Unlike the FP8 recipes, the FC1 and dGLU epilogues write ``a`` / ``dh`` in FP32 rather than
 quantized: their tensor scale needs the amax of the whole expert slice first (``quantize`` runs
 the amax and quantize passes after the GEMM).
@@ -50,6 +55,10 @@ from .quantize import TILE
 
 BLOCK_K = 128  # elements per K step: 64 bytes of packed codes, eight scale blocks
 USE_TMA_DEFAULT = True  # tests flip it to cover the pointer-load path under the interpreter
+# Where both operands are BF16 values, FC2, FC1's dgrad and FC1 (GEMM + GLU, a in FP32) run on the BF16 backend's
+# persistent grouped GEMM, the two tensor scales one FP32 factor per group on its sums (as MXFP8's values
+# path does since runs 35-36; run 41). False: this module's kernel for every GEMM. The dGLU stays here.
+VALUES_ON_BF16_KERNEL = True
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,11 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
         a_data = a.values
     if b_values is not None:
         b_data = b_values
+    if VALUES_ON_BF16_KERNEL and config is None and a.values is not None and b_values is not None and kind != "dact":
+        return _on_bf16_kernel(kind, a_data, b_data, n, k, schedule, num_experts, group_factors(a.amax, b.amax,
+                               num_experts), c=c, h=h, h_up_offset=h_up_offset, b_up_rows=b_up_rows, bias=bias,
+                               bias_up_offset=bias_up_offset, probs=probs, activation=activation, alpha=alpha,
+                               limit=limit, gated=gated)
     if TILE % cfg.block_n:
         raise ValueError(f"config: block_n={cfg.block_n} must divide {TILE}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
@@ -266,3 +280,45 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
         BN=cfg.block_n, BK=BLOCK_K,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def group_factors(amax_a: torch.Tensor, amax_b: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """FP32 ``[E + 1]``: ``(amax_a[g] / 2688) * (amax_b[g] / 2688)`` per group, rounded as this module's kernel
+    rounds it (FP32 products, each amax times FP32 1/2688 first), 0 for the padding group."""
+    dequant = torch.tensor(DEQUANT_FACTOR.value, dtype=torch.float32, device=amax_a.device)
+    factors = (amax_a[:num_experts].float() * dequant) * (amax_b[:num_experts].float() * dequant)
+    return torch.cat([factors, factors.new_zeros(1)])
+
+
+def bf16_kernel_config(kind: str, n: int, k: int):
+    """The BF16 backend's ``kind`` config at 128-row tiles (this recipe's schedule) and a K step of half this
+    module's: its sums then run in this kernel's order (each 128-wide K block's even half, then its odd half, as
+    the values are stored), under the interpreter too. FC1 at 3 stages: its FP32 ``a`` is staged for the store
+    as MXFP8's FP32 h is, which 4 stages leave no room for (``mxfp8.gemm.fc1_values_config``)."""
+    from dataclasses import replace
+
+    from .. import grouped_gemm
+
+    cfg = replace(grouped_gemm.default_config(kind, n, k), block_m=TILE, block_k=BLOCK_K // 2,
+                  use_tma=USE_TMA_DEFAULT)
+    if kind == "fc1" and not interpreting():
+        cfg = replace(cfg, num_stages=3)
+    return cfg
+
+
+def _on_bf16_kernel(kind: str, a: torch.Tensor, b: torch.Tensor, n: int, k: int, schedule: torch.Tensor,
+                    num_experts: int, factors: torch.Tensor, *, c: torch.Tensor, h, h_up_offset: int, b_up_rows: int,
+                    bias, bias_up_offset: int, probs, activation: str, alpha: float, limit: float, gated: bool):
+    """FC2 / FC1's dgrad / FC1 on BF16 values ``a`` [T, K] and ``b`` [E, rows, K] by the BF16 backend's grouped
+    GEMM, ``factors`` (:func:`group_factors`) on its FP32 sums."""
+    from .. import grouped_gemm
+
+    strides = (b.stride(0), b.stride(2), b.stride(1))  # K-major [E, rows, K] read as [E, K, rows]
+    cfg = bf16_kernel_config(kind, n, k)
+    if kind == "fc1":
+        return grouped_gemm.launch_scheduled("fc1", a, b, strides, n, k, c, schedule, num_experts, cfg,
+                                             b_up_rows=b_up_rows, h=h, h_up_offset=h_up_offset, bias=bias,
+                                             bias_up_offset=bias_up_offset, probs=probs, activation=activation,
+                                             alpha=alpha, limit=limit, gated=gated, scale=factors)
+    return grouped_gemm.launch_scheduled("fc2", a, b, strides, n, k, c, schedule, num_experts, cfg, bias=bias,
+                                         scale=factors)
