@@ -151,4 +151,22 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
         "wgrad_w2_values": (lambda: wgrad.nv_grouped_wgrad(dyv, av, sched, dw2), 2.0 * routed * H * F, None),
         "wgrad_w1_values": (lambda: wgrad.nv_grouped_wgrad(dhv, xv, sched, dw1), 2.0 * routed * n1 * H, None),
     })
+    # the three *_values GEMMs above run on the BF16 backend's kernel (gemm.VALUES_ON_BF16_KERNEL); on NVFP4's own:
+    for name in ("fc1_glu_values", "fc2_values", "fc1_dgrad_values"):
+        fn, flops, nbytes = kernels[name]
+        kernels[name + "_nv_kernel"] = (_on_own_kernel(fn), flops, nbytes)
     return bench.time_kernels(kernels, fp8_peak)
+
+
+def _on_own_kernel(fn):
+    """``fn`` with every NVFP4 GEMM on NVFP4's kernel (``gemm.VALUES_ON_BF16_KERNEL`` off while it runs)."""
+    gemm = _kernels()[1]
+
+    def run():
+        default = gemm.VALUES_ON_BF16_KERNEL
+        gemm.VALUES_ON_BF16_KERNEL = False
+        try:
+            return fn()
+        finally:
+            gemm.VALUES_ON_BF16_KERNEL = default
+    return run

@@ -285,7 +285,7 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
 def group_factors(amax_a: torch.Tensor, amax_b: torch.Tensor, num_experts: int) -> torch.Tensor:
     """FP32 ``[E + 1]``: ``(amax_a[g] / 2688) * (amax_b[g] / 2688)`` per group, rounded as this module's kernel
     rounds it (FP32 products, each amax times FP32 1/2688 first), 0 for the padding group."""
-    dequant = torch.tensor(DEQUANT_FACTOR.value, dtype=torch.float32, device=amax_a.device)
+    dequant = DEQUANT_FACTOR.value  # a Python scalar (no host-to-device copy), taken in FP32 by FP32 products
     factors = (amax_a[:num_experts].float() * dequant) * (amax_b[:num_experts].float() * dequant)
     return torch.cat([factors, factors.new_zeros(1)])
 
