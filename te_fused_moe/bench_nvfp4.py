@@ -151,10 +151,16 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
         "wgrad_w2_values": (lambda: wgrad.nv_grouped_wgrad(dyv, av, sched, dw2), 2.0 * routed * H * F, None),
         "wgrad_w1_values": (lambda: wgrad.nv_grouped_wgrad(dhv, xv, sched, dw1), 2.0 * routed * n1 * H, None),
     })
-    # the three *_values GEMMs above run on the BF16 backend's kernel (gemm.VALUES_ON_BF16_KERNEL); on NVFP4's own:
+    # the *_values GEMMs above run on the BF16 backend's kernel (gemm.VALUES_ON_BF16_KERNEL); on NVFP4's own:
     for name in ("fc1_glu_values", "fc2_values", "fc1_dgrad_values"):
         fn, flops, nbytes = kernels[name]
         kernels[name + "_nv_kernel"] = (_on_own_kernel(fn), flops, nbytes)
+    dprob_nv = torch.empty(triton.cdiv(F, gemm.own_config("dact", True).block_n), T, device=x.device,
+                           dtype=torch.float32)  # its dprob partials: one row per N tile of that kernel
+    kernels["fc2_dgrad_dglu_values_nv_kernel"] = (
+        _on_own_kernel(lambda: gemm.launch("dact", dyv, w2v, F, sched, E, b_transposed=True, c=dh, c_up_offset=F,
+                                           h=h, h_up_offset=F, probs=probs, dprob=dprob_nv, **kw)),
+        2.0 * routed * H * F, None)
     return bench.time_kernels(kernels, fp8_peak)
 
 

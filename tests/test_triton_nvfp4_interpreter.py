@@ -522,10 +522,12 @@ def check_bench_baseline(device: str) -> dict:
 
 
 def check_routed_gemms(device: str) -> dict:
-    """FC2, FC1's dgrad and FC1 (GEMM + SwiGLU, FP32 ``a``, h saved) on BF16 values run on the BF16 backend's
-    kernel (``gemm.VALUES_ON_BF16_KERNEL``) and on this recipe's, random data and counts with an empty expert,
-    outputs poisoned before each: per output, whether the two agree bitwise and their largest difference over
-    the output's largest magnitude (NaN where either left an element unwritten)."""
+    """FC2, FC1's dgrad, FC1 (GEMM + SwiGLU, FP32 ``a``, h saved) and the dGLU (FP32 dh, dprob partials) on BF16
+    values run on the BF16 backend's kernel (``gemm.VALUES_ON_BF16_KERNEL``) and on this recipe's, random data and
+    counts with an empty expert, outputs poisoned before each: per output, whether the two agree bitwise and their
+    largest difference over the output's largest magnitude (NaN where either left an element unwritten). dprob is
+    compared as the sum of its partials: the two kernels' N tiles differ, so their partials do."""
+    import triton
     from moe_reference import poison_
 
     from te_fused_moe.backends.triton.nvfp4 import autograd as A, gemm, quantize as Q
@@ -549,7 +551,11 @@ def check_routed_gemms(device: str) -> dict:
         "fc1_a": ("fc1", rows(H), A.gemm_weight(w1q, True, False), F, (T, F), torch.float32,
                   dict(b_up_rows=F, bias=bias1, bias_up_offset=F, probs=probs, gated=True, activation="swiglu",
                        h_up_offset=F)),
+        "dact_dh": ("dact", rows(H), A.gemm_weight(w2q, True, True), F, (T, 2 * F), torch.float32,
+                    dict(b_transposed=True, c_up_offset=F, h_up_offset=F, probs=probs, gated=True,
+                         activation="swiglu")),
     }
+    h_saved = randn(T, 2 * F)  # the dGLU's input h (FC1's pre-activation)
     out = {}
     default = gemm.VALUES_ON_BF16_KERNEL
     try:
@@ -558,11 +564,20 @@ def check_routed_gemms(device: str) -> dict:
             for routed in (True, False):
                 gemm.VALUES_ON_BF16_KERNEL = routed
                 c = poison_(torch.empty(shape, device=device, dtype=dtype))
-                h = poison_(torch.empty((T, 2 * F), device=device, dtype=torch.bfloat16)) if kind == "fc1" else None
-                gemm.launch(kind, a, b, n, schedule, E, c=c, **(dict(kw, h=h) if h is not None else kw))
-                got[routed] = (c, h)
-            pairs = [(name, got[True][0], got[False][0])] + (
-                [(name.replace("_a", "_h"), got[True][1], got[False][1])] if kind == "fc1" else [])
+                extra = {}
+                if kind == "fc1":  # h written
+                    extra["h"] = poison_(torch.empty((T, 2 * F), device=device, dtype=torch.bfloat16))
+                elif kind == "dact":  # h read, dprob partials written
+                    cfg = gemm.default_config("dact", True)
+                    dprob = poison_(torch.empty((triton.cdiv(F, cfg.block_n), T), device=device))
+                    extra = dict(h=h_saved, dprob=dprob, config=cfg)
+                gemm.launch(kind, a, b, n, schedule, E, c=c, **kw, **extra)
+                got[routed] = (c, extra.get("h") if kind == "fc1" else extra.get("dprob", torch.zeros(1)).sum(0))
+            pairs = [(name, got[True][0], got[False][0])]
+            if kind == "fc1":
+                pairs.append(("fc1_h", got[True][1], got[False][1]))
+            elif kind == "dact":
+                pairs.append(("dact_dprob", got[True][1], got[False][1]))
             for label, routed_out, own in pairs:
                 diff = (routed_out.float() - own.float()).abs().max() / own.float().abs().max()
                 out[label] = {"bitwise": bool(torch.equal(routed_out, own)), "rel_diff": float(diff)}
@@ -593,7 +608,7 @@ def sm90_build_report() -> dict:
             ("fc1_swiglu_values", "fc1", True, "swiglu", True, True), ("fc2_values", "fc2", False, "swiglu", True, True),
             ("dact_swiglu_values", "dact", True, "swiglu", True, True),
             ("dgrad_values", "dgrad", False, "swiglu", True, True)):
-        cfg = gemm.default_config(kind, a_bf16)
+        cfg = gemm.own_config(kind, a_bf16)  # this recipe's kernel (the routed ones: routed_build_report)
         mode = GEMM_MODES[kind]
         box = lambda bf16, rows: f"tensordesc<{'bf16' if bf16 else 'u8'}[{rows}, {gemm.BLOCK_K // 2}]>"
         types = dict(ptrs, a_src=box(a_bf16, 128), b_src=box(b_bf16, cfg.block_n))
@@ -636,26 +651,29 @@ def sm90_build_report() -> dict:
 
 def routed_build_report(build) -> dict:
     """The GEMMs that run on the BF16 backend's kernel (``gemm.VALUES_ON_BF16_KERNEL``) at their configs
-    (``gemm.bf16_kernel_config``), DSv3's sizes: FC2 and FC1's dgrad (BF16 out), FC1 (FP32 ``a``, h in BF16)."""
+    (``gemm.bf16_kernel_config``), DSv3's sizes: FC2 and FC1's dgrad (BF16 out), FC1 (FP32 ``a``, h in BF16), the
+    dGLU (FP32 dh, h in BF16, dprob partials)."""
     from te_fused_moe.backends.triton import grouped_gemm
     from te_fused_moe.backends.triton.act_math import ACT_IDS
     from te_fused_moe.backends.triton.nvfp4 import gemm
 
     report = {}
     for name, kind, n, k in (("fc2_routed", "fc2", 7168, 2048), ("dgrad_routed", "dgrad", 7168, 4096),
-                             ("fc1_routed", "fc1", 2048, 7168)):
+                             ("fc1_routed", "fc1", 2048, 7168), ("dact_routed", "dact", 2048, 7168)):
         cfg = gemm.bf16_kernel_config(kind, n, k)
-        fc1 = kind == "fc1"
+        fc1, dact = kind == "fc1", kind == "dact"
         b_box = f"[2, {cfg.block_n}, {cfg.block_k}]" if fc1 and cfg.gate_up_box else f"[{cfg.block_n}, {cfg.block_k}]"
         types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>", b_src=f"tensordesc<bf16{b_box}>",
-                     c_ptr="*fp32" if fc1 else "*bf16", h_ptr="*bf16", bias_ptr="*bf16", probs_ptr="*fp32",
+                     c_ptr="*fp32" if fc1 or dact else "*bf16", h_ptr="*bf16", bias_ptr="*bf16", probs_ptr="*fp32",
                      dprob_ptr="*fp32", scale_ptr="*fp32", sched_ptr="*i32", alpha="fp32", limit="fp32")
-        consts = dict(MODE=grouped_gemm.MODE_ACT_FWD if fc1 else grouped_gemm.MODE_PLAIN, ACT=ACT_IDS["swiglu"],
-                      GATED=fc1, HAS_BIAS=True, HAS_PROBS=fc1, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True,
-                      EVEN_N=True, N_VEC8=True, USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=False, UPCAST=False,
+        mode = {"fc1": grouped_gemm.MODE_ACT_FWD, "dact": grouped_gemm.MODE_ACT_BWD}.get(kind, grouped_gemm.MODE_PLAIN)
+        consts = dict(MODE=mode, ACT=ACT_IDS["swiglu"], GATED=fc1 or dact, HAS_BIAS=not dact, HAS_PROBS=fc1 or dact,
+                      WRITE_DPROB=dact, DPROB_PARTIALS=dact, EVEN_K=True, EVEN_N=True, N_VEC8=True, USE_TMA=True,
+                      B_KMAJOR=True, SPLIT_EPILOGUE=dact and cfg.block_n >= 32, UPCAST=False,
                       PERSISTENT=cfg.persistent, FLATTEN=cfg.flatten, GATE_UP_BOX=fc1 and cfg.gate_up_box,
-                      EPI_STORE=grouped_gemm.store_activation, EPI_STORE_CONSTS=(), HAS_SCALE=True, BM=cfg.block_m,
-                      BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m)
+                      EPI_STORE=grouped_gemm.store_gate_up_grads if dact else grouped_gemm.store_activation,
+                      EPI_STORE_CONSTS=(), HAS_SCALE=True, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                      GROUP_M=cfg.group_m)
         report[name] = build(grouped_gemm.grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
     return report
 
@@ -763,9 +781,12 @@ def test_gemms_on_the_bf16_kernel_match_the_nvfp4_kernel(results):
     """The BF16 backend's kernel with the tensor scales as one factor per group sums each K block's halves in
     this recipe's order: the same bits under the interpreter, every element written."""
     routed = results["routed"]
-    assert set(routed) == {"fc2_y", "dgrad_dx", "fc1_a", "fc1_h"}, routed
+    assert set(routed) == {"fc2_y", "dgrad_dx", "fc1_a", "fc1_h", "dact_dh", "dact_dprob"}, routed
     for name, r in routed.items():
-        assert r["bitwise"] and r["rel_diff"] == 0.0, (name, r)
+        if name == "dact_dprob":  # sums of partials over different N tiles: FP32 rounding apart
+            assert r["rel_diff"] <= 1e-6, (name, r)
+        else:
+            assert r["bitwise"] and r["rel_diff"] == 0.0, (name, r)
 
 
 def test_every_size_runs_on_triton_and_auto_picks_it(results):

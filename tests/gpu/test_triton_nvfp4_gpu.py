@@ -15,7 +15,7 @@ the measured errors). The checks are those of tests/test_triton_nvfp4_interprete
   ``a`` / ``dh`` value next to an E2M1 midpoint can move a whole step; 5e-3 in the interpreter, whose
   sums match the reference's more closely; seen on the H200: <= 1.1e-3), 6e-2 with ``h`` in BF16
   (the default);
-- FC2, FC1's dgrad and FC1 on the BF16 backend's kernel (``gemm.VALUES_ON_BF16_KERNEL``) against NVFP4's own;
+- every GEMM on the BF16 backend's kernel (``gemm.VALUES_ON_BF16_KERNEL``) against NVFP4's own;
 - no host syncs after warm-up; a CUDA graph replayed with four routings and a weight update; with
   stochastic rounding on, two replays of the same inputs give different gradients (the seed is drawn
   inside the graph) and the same ``y``.
@@ -54,14 +54,18 @@ def test_quantize_kernels_bit_exact_on_gpu():
 
 
 def test_gemms_on_the_bf16_kernel_match_the_nvfp4_kernel_gpu():
-    """FC2, FC1's dgrad and FC1 on the BF16 backend's kernel against this recipe's: both sum each K block's
-    halves in the same wgmma order and scale the sums by the same FP32 factor, so every element is written and
-    bitwise equal (run 41 on an H100, as run 35a saw MXFP8's analogue)."""
+    """FC2, FC1's dgrad, FC1 and the dGLU on the BF16 backend's kernel against this recipe's: both sum each K
+    block's halves in the same wgmma order and scale the sums by the same FP32 factor, so every element is written
+    and bitwise equal (run 41 on an H100, as run 35a saw MXFP8's analogue); dprob as sums of partials, within
+    FP32 rounding where the kernels' N tiles differ."""
     routed = checks.check_routed_gemms("cuda")
     print("NVFP4_ROUTED", json.dumps(routed))
-    assert set(routed) == {"fc2_y", "dgrad_dx", "fc1_a", "fc1_h"}, routed
+    assert set(routed) == {"fc2_y", "dgrad_dx", "fc1_a", "fc1_h", "dact_dh", "dact_dprob"}, routed
     for name, r in routed.items():
-        assert r["bitwise"] and r["rel_diff"] == 0.0, (name, r)
+        if name == "dact_dprob":
+            assert r["rel_diff"] <= 1e-6, (name, r)
+        else:
+            assert r["bitwise"] and r["rel_diff"] == 0.0, (name, r)
 
 
 def test_stochastic_rounding_unbiased_on_gpu():

@@ -21,8 +21,8 @@ any mix of the two pairs the halves alike. The two tensor scales are one FP32 fa
 the Blackwell block-scaled MMA's product up to the order of FP32 sums (the reference dequantizes
 each element with the factor rounded in; the difference is FP32 rounding).
 
-Where both operands are BF16 values, FC1, FC2 and FC1's dgrad run on the BF16 backend's persistent grouped
-GEMM instead (``VALUES_ON_BF16_KERNEL``), on this recipe's schedule, with the factor per group
+Where both operands are BF16 values, every GEMM runs on the BF16 backend's persistent grouped GEMM instead
+(``VALUES_ON_BF16_KERNEL``, ``NVGemmConfig.bf16_kernel``), on this recipe's schedule, with the factor per group
 (:func:`group_factors`) multiplying its FP32 sums before the same epilogues, and a K step of 64: each 128-wide
 K block's even half, then its odd half, the order this kernel sums them in.
 
@@ -55,9 +55,9 @@ from .quantize import TILE
 
 BLOCK_K = 128  # elements per K step: 64 bytes of packed codes, eight scale blocks
 USE_TMA_DEFAULT = True  # tests flip it to cover the pointer-load path under the interpreter
-# Where both operands are BF16 values, FC2, FC1's dgrad and FC1 (GEMM + GLU, a in FP32) run on the BF16 backend's
-# persistent grouped GEMM, the two tensor scales one FP32 factor per group on its sums (as MXFP8's values
-# path does since runs 35-36; run 41). False: this module's kernel for every GEMM. The dGLU stays here.
+# Where both operands are BF16 values, every GEMM (FC1 with a in FP32, FC2, the dGLU with dh in FP32, FC1's dgrad)
+# runs on the BF16 backend's persistent grouped GEMM, the two tensor scales one FP32 factor per group on its sums
+# (as MXFP8's values path does since runs 35-36; run 41). False: this module's kernel for every GEMM.
 VALUES_ON_BF16_KERNEL = True
 
 
@@ -68,11 +68,24 @@ class NVGemmConfig:
     num_warps: int = 8
     num_stages: int = 3
     split_epilogue: bool = True  # dGLU epilogue in two 64-column halves (register pressure)
+    # run on the BF16 backend's kernel (both operands BF16 values); block_n is then that kernel's N tile, which
+    # sets the dGLU's dprob partials (one row per N tile)
+    bf16_kernel: bool = False
 
 
 def default_config(kind: str, bf16_operands: bool = False) -> NVGemmConfig:
-    """BM = 128 (schedule tiles), BK = 128, 8 warps (at 4, FC2 and the dgrad spilled in their K loops:
-    offline sm_90a build, run 14). Expanding in the K loop: FC1 at BN = 128 (as MXFP8's expansion
+    """``kind``'s config. With both operands as BF16 values (``bf16_operands``) and ``VALUES_ON_BF16_KERNEL``: the
+    BF16 backend's kernel at its N tile for ``kind`` (:func:`bf16_kernel_config`); else :func:`own_config`."""
+    if kind not in ("fc1", "fc2", "dact", "dgrad"):
+        raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
+    if bf16_operands and VALUES_ON_BF16_KERNEL:
+        return NVGemmConfig(block_n=bf16_kernel_config(kind, TILE, TILE).block_n, bf16_kernel=True)
+    return own_config(kind, bf16_operands)
+
+
+def own_config(kind: str, bf16_operands: bool = False) -> NVGemmConfig:
+    """This module's kernel: BM = 128 (schedule tiles), BK = 128, 8 warps (at 4, FC2 and the dgrad spilled in
+    their K loops: offline sm_90a build, run 14). Expanding in the K loop: FC1 at BN = 128 (as MXFP8's expansion
     loop measured best, ``mxfp8.gemm.default_config``), the others at BN = 64. Reading BF16 values
     (``bf16_operands``), measured at DSv3 on the H200 (run 15): FC2 / FC1 dgrad at BN = 128, 3 stages
     (577 / 618 TFLOP/s; 380-430 at BN = 64 or 256 or 2 stages); FC1 at BN = 64, 3 stages (527; 448 at
@@ -234,10 +247,11 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
     in PLAIN mode, FP32 ``a`` for FC1, FP32 ``dh`` for DACT, its up half at ``c_up_offset``).
     ``dprob``: FP32 ``[n / block_n, T]`` partials."""
     mode = GEMM_MODES[kind]
-    cfg = config or default_config(kind, a.values is not None)
     a_data, a_scale = a.data, a.scale
     b_data, b_scale = (b.data_t, b.scale_t) if b_transposed else (b.data, b.scale)
     b_values = b.values_t if b_transposed else b.values
+    both_values = a.values is not None and b_values is not None
+    cfg = config or (default_config(kind, True) if both_values else own_config(kind, a.values is not None))
     if a_data is None or b_data is None:
         raise ValueError("a, b: the GEMM needs a's rowwise copy and b's copy along the reduction axis")
     num_rows, k = a_data.shape[0], 2 * a_data.shape[1]
@@ -250,11 +264,16 @@ def launch(kind: str, a, b, n: int, schedule: torch.Tensor, num_experts: int, *,
         a_data = a.values
     if b_values is not None:
         b_data = b_values
-    if VALUES_ON_BF16_KERNEL and config is None and a.values is not None and b_values is not None and kind != "dact":
+    if dprob is not None and dprob.shape[0] != triton.cdiv(n, cfg.block_n):
+        raise ValueError(f"dprob: expected one row of partials per N tile, {triton.cdiv(n, cfg.block_n)} at "
+                         f"block_n={cfg.block_n}, got {tuple(dprob.shape)} (size it with default_config('dact', ...))")
+    if cfg.bf16_kernel:
+        if a.values is None or b_values is None:
+            raise ValueError("config: bf16_kernel (the BF16 backend's kernel) needs both operands as BF16 values")
         return _on_bf16_kernel(kind, a_data, b_data, n, k, schedule, num_experts, group_factors(a.amax, b.amax,
-                               num_experts), c=c, h=h, h_up_offset=h_up_offset, b_up_rows=b_up_rows, bias=bias,
-                               bias_up_offset=bias_up_offset, probs=probs, activation=activation, alpha=alpha,
-                               limit=limit, gated=gated)
+                               num_experts), cfg.block_n, c=c, c_up_offset=c_up_offset, h=h, h_up_offset=h_up_offset,
+                               b_up_rows=b_up_rows, bias=bias, bias_up_offset=bias_up_offset, probs=probs, dprob=dprob,
+                               activation=activation, alpha=alpha, limit=limit, gated=gated)
     if TILE % cfg.block_n:
         raise ValueError(f"config: block_n={cfg.block_n} must divide {TILE}")
     m_tiles = max_m_tiles(num_rows, num_experts, TILE)
@@ -294,7 +313,9 @@ def bf16_kernel_config(kind: str, n: int, k: int):
     """The BF16 backend's ``kind`` config at 128-row tiles (this recipe's schedule) and a K step of half this
     module's: its sums then run in this kernel's order (each 128-wide K block's even half, then its odd half, as
     the values are stored), under the interpreter too. FC1 at 3 stages: its FP32 ``a`` is staged for the store
-    as MXFP8's FP32 h is, which 4 stages leave no room for (``mxfp8.gemm.fc1_values_config``)."""
+    as MXFP8's FP32 h is, which 4 stages leave no room for (``mxfp8.gemm.fc1_values_config``). The dGLU at 64
+    columns and 5 stages: its FP32 dh epilogue at the BF16 dGLU's 128 spilled ~800 instructions inside the
+    flattened loop (offline sm_90a build), at 64 none (139 KB of shared memory)."""
     from dataclasses import replace
 
     from .. import grouped_gemm
@@ -303,22 +324,32 @@ def bf16_kernel_config(kind: str, n: int, k: int):
                   use_tma=USE_TMA_DEFAULT)
     if kind == "fc1" and not interpreting():
         cfg = replace(cfg, num_stages=3)
+    if kind == "dact" and not interpreting():
+        cfg = replace(cfg, block_n=64, num_stages=5)
     return cfg
 
 
 def _on_bf16_kernel(kind: str, a: torch.Tensor, b: torch.Tensor, n: int, k: int, schedule: torch.Tensor,
-                    num_experts: int, factors: torch.Tensor, *, c: torch.Tensor, h, h_up_offset: int, b_up_rows: int,
-                    bias, bias_up_offset: int, probs, activation: str, alpha: float, limit: float, gated: bool):
-    """FC2 / FC1's dgrad / FC1 on BF16 values ``a`` [T, K] and ``b`` [E, rows, K] by the BF16 backend's grouped
-    GEMM, ``factors`` (:func:`group_factors`) on its FP32 sums."""
+                    num_experts: int, factors: torch.Tensor, block_n: int, *, c: torch.Tensor, c_up_offset: int, h,
+                    h_up_offset: int, b_up_rows: int, bias, bias_up_offset: int, probs, dprob, activation: str,
+                    alpha: float, limit: float, gated: bool):
+    """``kind`` on BF16 values ``a`` [T, K] and ``b`` [E, rows, K] by the BF16 backend's grouped GEMM at ``block_n``
+    columns, ``factors`` (:func:`group_factors`) on its FP32 sums."""
+    from dataclasses import replace
+
     from .. import grouped_gemm
 
     strides = (b.stride(0), b.stride(2), b.stride(1))  # K-major [E, rows, K] read as [E, K, rows]
-    cfg = bf16_kernel_config(kind, n, k)
+    cfg = replace(bf16_kernel_config(kind, n, k), block_n=block_n)
     if kind == "fc1":
         return grouped_gemm.launch_scheduled("fc1", a, b, strides, n, k, c, schedule, num_experts, cfg,
                                              b_up_rows=b_up_rows, h=h, h_up_offset=h_up_offset, bias=bias,
                                              bias_up_offset=bias_up_offset, probs=probs, activation=activation,
                                              alpha=alpha, limit=limit, gated=gated, scale=factors)
+    if kind == "dact":  # dh (FP32) at c and c_up_offset; dprob: partials per N tile
+        return grouped_gemm.launch_scheduled("dact", a, b, strides, n, k, c, schedule, num_experts, cfg,
+                                             c_up_offset=c_up_offset, h=h, h_up_offset=h_up_offset, probs=probs,
+                                             dprob=dprob, activation=activation, alpha=alpha, limit=limit,
+                                             gated=gated, scale=factors)
     return grouped_gemm.launch_scheduled("fc2", a, b, strides, n, k, c, schedule, num_experts, cfg, bias=bias,
                                          scale=factors)
