@@ -836,3 +836,29 @@ def test_kernel_arguments_are_validated():
         quantize_weight(torch.randn(2, 96, 128), NVSpec())
     with pytest.raises(ValueError, match="w: expected a contiguous"):
         quantize_weight(torch.randn(2, 128, 128).transpose(1, 2), NVSpec())
+
+
+
+def test_gemm_launch_arguments_are_validated():
+    """The GEMM launch refuses dprob partials sized for another N tile, and the BF16 backend's kernel for packed
+    operands, before anything runs (no kernel is launched: CPU tensors)."""
+    from dataclasses import replace
+
+    from te_fused_moe.backends.triton.nvfp4 import gemm
+    from te_fused_moe.backends.triton.nvfp4.quantize import NVRows, NVWeight
+
+    T, K, N, E = 256, 128, 128, 2
+    u8 = lambda *size: torch.randint(0, 255, size, dtype=torch.uint8)
+    a = NVRows(data=u8(T, K // 2), scale=u8(T, K // 16), amax=torch.rand(E + 1),
+               values=torch.randn(T, K, dtype=torch.bfloat16))
+    w = NVWeight(u8(E, 2 * N, K // 2), u8(E, 2 * N, K // 16), None, None, torch.rand(E),
+                 values=torch.randn(E, 2 * N, K, dtype=torch.bfloat16))
+    schedule = torch.zeros(64, dtype=torch.int32)
+    cfg = gemm.default_config("dact", True)
+    wrong = torch.empty(N // cfg.block_n + 1, T)
+    with pytest.raises(ValueError, match=r"dprob: expected one row of partials per N tile"):
+        gemm.launch("dact", a, w, N, schedule, E, c=torch.empty(T, 2 * N), c_up_offset=N, h=torch.empty(T, 2 * N),
+                    h_up_offset=N, dprob=wrong, config=cfg)
+    packed = replace(a, values=None)
+    with pytest.raises(ValueError, match="config: bf16_kernel .* needs both operands as BF16 values"):
+        gemm.launch("fc2", packed, w, N, schedule, E, c=torch.empty(T, N), config=replace(cfg, bf16_kernel=True))

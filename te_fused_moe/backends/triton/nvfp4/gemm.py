@@ -37,7 +37,7 @@ dprob partials (``grouped_gemm.dact_epilogue``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -76,8 +76,6 @@ class NVGemmConfig:
 def default_config(kind: str, bf16_operands: bool = False) -> NVGemmConfig:
     """``kind``'s config. With both operands as BF16 values (``bf16_operands``) and ``VALUES_ON_BF16_KERNEL``: the
     BF16 backend's kernel at its N tile for ``kind`` (:func:`bf16_kernel_config`); else :func:`own_config`."""
-    if kind not in ("fc1", "fc2", "dact", "dgrad"):
-        raise ValueError(f"kind: expected 'fc1', 'fc2', 'dact' or 'dgrad', got {kind!r}")
     if bf16_operands and VALUES_ON_BF16_KERNEL:
         return NVGemmConfig(block_n=bf16_kernel_config(kind, TILE, TILE).block_n, bf16_kernel=True)
     return own_config(kind, bf16_operands)
@@ -316,8 +314,6 @@ def bf16_kernel_config(kind: str, n: int, k: int):
     as MXFP8's FP32 h is, which 4 stages leave no room for (``mxfp8.gemm.fc1_values_config``). The dGLU at 64
     columns and 5 stages: its FP32 dh epilogue at the BF16 dGLU's 128 spilled ~800 instructions inside the
     flattened loop (offline sm_90a build), at 64 none (139 KB of shared memory)."""
-    from dataclasses import replace
-
     from .. import grouped_gemm
 
     cfg = replace(grouped_gemm.default_config(kind, n, k), block_m=TILE, block_k=BLOCK_K // 2,
@@ -335,8 +331,6 @@ def _on_bf16_kernel(kind: str, a: torch.Tensor, b: torch.Tensor, n: int, k: int,
                     alpha: float, limit: float, gated: bool):
     """``kind`` on BF16 values ``a`` [T, K] and ``b`` [E, rows, K] by the BF16 backend's grouped GEMM at ``block_n``
     columns, ``factors`` (:func:`group_factors`) on its FP32 sums."""
-    from dataclasses import replace
-
     from .. import grouped_gemm
 
     strides = (b.stride(0), b.stride(2), b.stride(1))  # K-major [E, rows, K] read as [E, K, rows]
