@@ -116,8 +116,8 @@ def main() -> int:
                 os.makedirs(args.out, exist_ok=True)
             table = kernel_table(lambda: fn(x, inputs["counts"], w1, w2, shape.activation), [x, w1, w2],
                                  inputs["dy"], args.iterations, args.as_do_bench, trace)
-        began = time.strftime("%H:%M:%S")  # to match the call with a clock log (device_recipes.sh CLOCKS=1)
-        text = f"{name} at {args.shape} ({torch.cuda.get_device_name()}), profiled up to {began}\n{table}\n"
+        finished = time.strftime("%H:%M:%S")  # to match the call with a clock log (device_recipes.sh CLOCKS=1)
+        text = f"{name} at {args.shape} ({torch.cuda.get_device_name()}), profiled up to {finished}\n{table}\n"
         print(text, flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)

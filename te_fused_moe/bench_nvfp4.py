@@ -166,13 +166,6 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
 
 def _on_own_kernel(fn):
     """``fn`` with every NVFP4 GEMM on NVFP4's kernel (``gemm.VALUES_ON_BF16_KERNEL`` off while it runs)."""
-    gemm = _kernels()[1]
+    from .bench_recipes import _call_under
 
-    def run():
-        default = gemm.VALUES_ON_BF16_KERNEL
-        gemm.VALUES_ON_BF16_KERNEL = False
-        try:
-            return fn()
-        finally:
-            gemm.VALUES_ON_BF16_KERNEL = default
-    return run
+    return lambda: _call_under(".backends.triton.nvfp4.gemm", dict(VALUES_ON_BF16_KERNEL=False), fn)

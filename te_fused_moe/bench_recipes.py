@@ -356,8 +356,8 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                           "mxfp8", autograd=dict(KEEP_COLUMNWISE_VALUES=True, BF16_WEIGHT_VALUES=True))},
             "nvfp4": {"nvfp4_fused_k_loop": _fused_under("nvfp4", autograd=dict(EXPAND_BEFORE_GEMM=False)),
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True)),
-                      # every GEMM on NVFP4's own kernel (before run 41: FC1, FC2 and FC1's dgrad on BF16 values
-                      # now run on the BF16 backend's persistent kernel, gemm.VALUES_ON_BF16_KERNEL)
+                      # every GEMM on NVFP4's own kernel (before run 41: since then the four token GEMMs on BF16
+                      # values run on the BF16 backend's persistent kernel, gemm.VALUES_ON_BF16_KERNEL)
                       "nvfp4_fused_nv_kernel": _fused_under("nvfp4", gemm=dict(VALUES_ON_BF16_KERNEL=False))}}
 for _variants in VARIANTS.values():
     IMPLEMENTATIONS.update(_variants)
