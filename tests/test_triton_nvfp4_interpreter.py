@@ -586,6 +586,45 @@ def check_routed_gemms(device: str) -> dict:
     return out
 
 
+def check_wgrad_steps(device: str) -> dict:
+    """The BF16-valued wgrad at half a tile slot per step (``wgrad.NVWgradConfig.block_t = 64``, the default) and at
+    a slot per step (two dots), and the wgrad expanding the packed codes in its K loop: random data with RHT, an
+    empty expert and a partial last slot, dW poisoned before each. Per variant, whether it is bitwise equal to the
+    half-step one and their largest difference over its largest magnitude (NaN where an element was left unwritten):
+    the same dots in the same order give the same sums."""
+    from dataclasses import replace
+
+    from moe_reference import poison_
+
+    from te_fused_moe.backends.triton.nvfp4 import autograd as A, quantize as Q, wgrad as W
+    from te_fused_moe.backends.triton.schedule import build_schedule
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 20, (1,))))
+    T, N, K, E = 400, 256, 128, 3
+    counts = torch.tensor([int(torch.randint(140, 260, (1,), generator=g)), 0, 0])
+    counts[2] = T - 16 - counts[0]  # 16 padding rows
+    randn = lambda *size: torch.randn(*size, generator=g).to(device=device, dtype=torch.bfloat16)
+    spec, _, _ = A.specs_of(NVFP4BlockScaling(disable_stochastic_rounding=True))
+    schedule = build_schedule(counts.to(device), T, Q.TILE)
+    gq, xq = (Q.quantize_rows(randn(T, width), schedule, E, spec, rowwise=False, colwise=True) for width in (N, K))
+    gv, xv = (Q.with_values(q, colwise=True) for q in (gq, xq))
+    half = W.default_config(True)
+    assert half.block_t == W.HALF_SLOT, half
+    variants = {"half_slot": (gv, xv, half), "slot": (gv, xv, replace(half, block_t=None)),
+                "packed_codes": (gq, xq, W.default_config(False))}
+    dws = {}
+    for name, (gg, xx, cfg) in variants.items():
+        dws[name] = poison_(torch.empty(E, N, K, device=device, dtype=torch.bfloat16))
+        W.nv_grouped_wgrad(gg, xx, schedule, dws[name], config=cfg)
+    ref = dws["half_slot"].float()
+    out = {"empty_expert_zero": bool((ref[1] == 0).all())}
+    for name, dw in dws.items():
+        out[name] = {"bitwise": bool(torch.equal(dw, dws["half_slot"])),
+                     "rel_diff": float((dw.float() - ref).abs().max() / ref.abs().max())}
+    return out
+
+
 # --- the interpreter run ------------------------------------------------------------------------------
 
 def sm90_build_report() -> dict:
@@ -626,7 +665,8 @@ def sm90_build_report() -> dict:
             W.nv_wgrad_kernel, dict(g_src=f"tensordesc<{elem}[{wc.block_n}, 64]>",
                                     x_src=f"tensordesc<{elem}[{wc.block_k}, 64]>", gs_ptr="*u8", xs_ptr="*u8",
                                     amax_g_ptr="*fp32", amax_x_ptr="*fp32", dw_ptr="*bf16", sched_ptr="*i32"),
-            dict(USE_TMA=True, UPCAST=False, BF16=bf16, BN=wc.block_n, BK=wc.block_k, BT=128, GROUP_N=wc.group_n),
+            dict(USE_TMA=True, UPCAST=False, BF16=bf16, BN=wc.block_n, BK=wc.block_k, BT=128, GROUP_N=wc.group_n,
+                 HALF_STEPS=wc.block_t == W.HALF_SLOT),
             wc.num_warps, wc.num_stages)
     report["amax_rht"] = build(Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32",
                                                          sched_ptr="*i32"),
@@ -690,6 +730,7 @@ def _worker() -> None:
         "dispatch": check_dispatch("cpu"),
         "bench_baseline": check_bench_baseline("cpu"),
         "routed": check_routed_gemms("cpu"),
+        "wgrad_steps": check_wgrad_steps("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES + [SR_CASE]},
     }
     print("RESULTS" + json.dumps(results))
@@ -789,6 +830,16 @@ def test_gemms_on_the_bf16_kernel_match_the_nvfp4_kernel(results):
             assert r["bitwise"] and r["rel_diff"] == 0.0, (name, r)
 
 
+def test_wgrad_half_slot_steps_match_slot_steps(results):
+    """The BF16-valued wgrad at half a slot per step runs the slot-per-step loop's dots in the same order: the same
+    bits under the interpreter, every element written, an empty expert's dW zero; the K loop expanding packed codes
+    gives the same products (exact expansions) in the same order too."""
+    r = results["wgrad_steps"]
+    assert r["empty_expert_zero"], r
+    for name in ("half_slot", "slot", "packed_codes"):
+        assert r[name]["bitwise"] and r[name]["rel_diff"] == 0.0, (name, r)
+
+
 def test_every_size_runs_on_triton_and_auto_picks_it(results):
     """Sizes off the 128 tile run zero-padded in the same Function, within the forward's bound of the
     reference, with results dense in their own sizes."""
@@ -862,3 +913,23 @@ def test_gemm_launch_arguments_are_validated():
     packed = replace(a, values=None)
     with pytest.raises(ValueError, match="config: bf16_kernel .* needs both operands as BF16 values"):
         gemm.launch("fc2", packed, w, N, schedule, E, c=torch.empty(T, N), config=replace(cfg, bf16_kernel=True))
+
+
+def test_wgrad_steps_are_validated():
+    """Half a slot per step needs both operands' BF16 values, and a step is a slot or half of one; refused before
+    any launch (CPU tensors)."""
+    from dataclasses import replace
+
+    from te_fused_moe.backends.triton.nvfp4 import wgrad as W
+    from te_fused_moe.backends.triton.nvfp4.quantize import NVRows
+
+    T, N, K, E = 128, 128, 128, 2
+    u8 = lambda *size: torch.randint(0, 255, size, dtype=torch.uint8)
+    rows = lambda width: NVRows(data_t=u8(width, T // 2), scale_t=u8(T // 16, width), amax_t=torch.rand(E + 1))
+    dw, schedule = torch.empty(E, N, K, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.int32)
+    half = replace(W.default_config(False), block_t=W.HALF_SLOT)
+    with pytest.raises(ValueError, match=r"config: block_t=64 must be None or 128 .* or 64 \(half a slot\) with both "
+                                         r"operands as BF16 values"):
+        W.nv_grouped_wgrad(rows(N), rows(K), schedule, dw, config=half)
+    with pytest.raises(ValueError, match="config: block_t=32 must be"):
+        W.nv_grouped_wgrad(rows(N), rows(K), schedule, dw, config=replace(half, block_t=32))

@@ -52,6 +52,9 @@ from .codec import block_scale, e2m1_encode, e2m1_encode_stochastic, e2m1_expand
 NV = 16  # elements per scale block
 TILE = 128  # schedule M tile
 QUANT_COLS = 64  # columns per quantize program
+# 16x16 weight tiles: the transposed copy's codes as the rowwise copy's codes transposed (True), or encoded again from
+# the transposed FP32 tile (False, runs 14-41); the same bytes either way
+WEIGHT_CODES_TRANSPOSED = True
 # TE's wgrad RHT sign vector as a bit mask (bit i set: sign i is negative)
 RHT_NEG_MASK = sum(1 << i for i, s in enumerate(hadamard.WGRAD_SIGNS) if s < 0)
 
@@ -269,7 +272,7 @@ def quantize_weight_kernel(
     q_ptr, s_ptr, stride_se, stride_sk,
     qt_ptr, st_ptr, stride_ste, stride_stn,
     N, K,
-    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, BLK: tl.constexpr,
+    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, BLK: tl.constexpr, CODES_T_FROM_CODES: tl.constexpr = True,
 ):
     """One BLK x BLK tile of ``w[e]`` [N, K] with ``w[e]``'s tensor scale: ``q[e]`` [N, K/2] (1x16
     along K, or 16x16 tiles; scales at ``s[e, k // 16, n]``) and ``qt[e]`` [K, N/2] (along N; with
@@ -301,9 +304,12 @@ def quantize_weight_kernel(
     tl.store(q_ptr + out + rows[:, None] * (K // 2) + (pid_k * (BLK // 2) + tl.arange(0, BLK // 2))[None, :],
              pack_pairs(codes, BLK, BLK))
     if TRANSPOSED:
-        if BLOCK_2D:
-            # 16x16 tiles are symmetric under transposition: quantizing the transposed tile gives the
-            # transposed codes (same tile amax, same scale); done on the FP32 tile, like every copy
+        if BLOCK_2D and CODES_T_FROM_CODES:
+            # 16x16 tiles are symmetric under transposition: the transposed tile's codes are the codes transposed
+            # (same tile amax, same scale), so the tile is encoded once
+            codes_t = tl.trans(codes)
+        elif BLOCK_2D:
+            # the same codes, encoded again from the transposed FP32 tile (runs 14-41)
             codes_t, _ = quantize_tiles_2d(tl.trans(w), s_enc, s_dec, BLK, BLK)
         else:
             codes_t, sc_t = quantize_along_cols(tl.trans(w), s_enc, s_dec, no_bits, BLK, BLK, False)
@@ -443,7 +449,7 @@ def quantize_weight(w: torch.Tensor, spec: NVSpec, *, transposed: bool = True, a
             data, scale, scale.stride(0), scale.stride(2),
             data_t if transposed else data, scale_t if transposed else scale,
             scale_t.stride(0) if transposed else 0, scale_t.stride(2) if transposed else 0,
-            n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, BLK=TILE,
+            n, k, TRANSPOSED=transposed, BLOCK_2D=spec.block_2d, BLK=TILE, CODES_T_FROM_CODES=WEIGHT_CODES_TRANSPOSED,
             num_warps=4 if interpreting() else 8,
         )
         for q, s, v in ((data, scale, values), (data_t, scale_t, values_t)):

@@ -1,0 +1,88 @@
+"""NVFP4's two weight gradients at DSv3 as its default path runs them (both columnwise copies, Hadamard-transformed
+and quantized, then expanded to BF16 values; 32768 routed rows balanced over 32 experts: 1024 tokens each) on its
+wgrad kernel at a slot (128 tokens, two dots) per step, the config of runs 15-41, and at half a slot per step (the
+default since run 42) with a few variants, next to the K loop expanding the packed codes and cuBLAS's grouped GEMM
+on the same values (``library_wgrad.values_wgrad``: BF16 out, no tensor scales: what it would cost, not a route).
+A measurement tool, not a test: it prints ms, TFLOP/s (median over interleaved rounds: the GPU runs at its power
+cap) and each output's largest difference from the slot-per-step config's (the same dots in the same order: 0).
+
+Why: the two wgrads take 5.8 ms of NVFP4's 26.3 (run 41h, ~500 TFLOP/s), with one 192 KB program per SM at a
+slot per step: each program runs 8 steps, so the pipeline's fill and the tile's store weigh on every one. Half a
+slot per stage is 96 KB, two programs per SM (MXFP8's values wgrad, run 37a: dW1 3.85 -> 3.51 ms).
+
+  usage: python scripts/probe_nv_wgrad.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mx_probe_problem import EXPERTS, FFN, HIDDEN, ROUTED
+from probe_results import run_and_save
+
+# name -> (N, K): dW [E, N, K] = G_e^T @ X_e with G [ROUTED, N], X [ROUTED, K]
+SHAPES = {"dw1": (2 * FFN, HIDDEN), "dw2": (HIDDEN, FFN)}
+# changes of the half-slot default (128 x 128 tiles, 8 warps, 3 stages)
+HALF_VARIANTS = {"half_s4": dict(num_stages=4), "half_group16": dict(group_n=16), "half_4w": dict(num_warps=4),
+                 "half_64x128_4w": dict(block_n=64, num_warps=4)}
+ROUNDS = 3
+
+
+def run() -> dict:
+    import statistics
+
+    import torch
+
+    from te_fused_moe.backends.triton import library_wgrad
+    from te_fused_moe.backends.triton.nvfp4 import autograd as A, quantize as Q, wgrad as W
+    from te_fused_moe.backends.triton.schedule import build_schedule
+    from te_fused_moe.bench import do_bench_ms
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    torch.manual_seed(0)
+    counts = torch.full((EXPERTS,), ROUTED // EXPERTS, dtype=torch.int32, device="cuda")
+    sched = build_schedule(counts, ROUTED, Q.TILE)
+    spec, grad_spec, _ = A.specs_of(NVFP4BlockScaling())
+    out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(), "rounds": ROUNDS}
+    half = W.default_config(True)
+    for name, (n, k) in SHAPES.items():
+        g_rows = torch.randn(ROUTED, n, device="cuda", dtype=torch.bfloat16)
+        x_rows = torch.randn(ROUTED, k, device="cuda", dtype=torch.bfloat16)
+        gq = Q.quantize_rows(g_rows, sched, EXPERTS, grad_spec, rowwise=False, colwise=True)
+        xq = Q.quantize_rows(x_rows, sched, EXPERTS, spec, rowwise=False, colwise=True)
+        gv, xv = Q.with_values(gq, colwise=True), Q.with_values(xq, colwise=True)
+        flops = 2.0 * ROUTED * n * k
+        ref = torch.empty(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
+        W.nv_grouped_wgrad(gv, xv, sched, ref, config=replace(half, block_t=None))
+        calls = {"slot": (gv, xv, replace(half, block_t=None)), "half": (gv, xv, half)}
+        calls.update({label: (gv, xv, replace(half, **change)) for label, change in HALF_VARIANTS.items()})
+        calls["packed_codes"] = (gq, xq, W.default_config(False))
+        fns, entry = {}, {}
+        for label, (g, x, cfg) in calls.items():
+            dw = torch.full((EXPERTS, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+            fns[label] = (lambda g=g, x=x, cfg=cfg, dw=dw: W.nv_grouped_wgrad(g, x, sched, dw, config=cfg), dw)
+        fns["cublas_values"] = (lambda: library_wgrad.values_wgrad(gv.values_t, xv.values_t, sched, (EXPERTS, n, k)),
+                                None)
+        times = {label: [] for label in fns}
+        for _ in range(ROUNDS):
+            for label, (fn, _) in fns.items():
+                try:
+                    times[label].append(do_bench_ms(fn))
+                except Exception as e:  # a config that does not fit shared memory fails at its build or launch
+                    entry[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        for label, (fn, dw) in fns.items():
+            if label in entry:
+                continue
+            ms = statistics.median(times[label])
+            entry[label] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+                            "rounds_ms": [round(t, 4) for t in times[label]]}
+            if dw is not None:
+                entry[label]["max_diff_vs_slot"] = float((dw.float() - ref.float()).abs().max())
+        out[name] = entry
+        print(name, entry, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    run_and_save(run, __doc__.splitlines()[0], "probe_nv_wgrad.json")
