@@ -98,22 +98,14 @@ def run(impls, shape_name: str) -> dict:
     out = {"shape": shape_name, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in impls:
         fn = bench_recipes.IMPLEMENTATIONS[name]
-        x, w1, w2 = (inputs[k].clone().requires_grad_(True) for k in ("x", "w1", "w2"))
-        params, dy = [x, w1, w2], inputs["dy"]
-        forward = lambda: fn(x, inputs["counts"], w1, w2, shape.activation)
-
-        def step():
-            for p in params:
-                p.grad = None
-            forward().backward(dy)
-
+        forward, step, params = bench.training_step(fn, inputs, shape.activation)
         entry = {}
         with getattr(fn, "context", contextlib.nullcontext)():
             for _ in range(3):
                 step()
             entry["eager_ms"] = round(bench.do_bench_ms(step), 3)
             entry["pipelined_ms"] = pipelined_ms(step)
-            entry.update(host_times(forward, dy, params))
+            entry.update(host_times(forward, inputs["dy"], params))
         out[name] = entry
         print(name, {k: v for k, v in entry.items() if k != "top"}, flush=True)
     return out

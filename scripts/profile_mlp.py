@@ -24,17 +24,12 @@ import torch  # noqa: E402
 from te_fused_moe import bench, bench_recipes  # noqa: E402
 
 
-def kernel_table(fn, params, dy, iterations: int, as_do_bench: bool = False, trace: str = None) -> str:
-    """The profiled kernels of ``iterations`` calls of ``fn().backward(dy)``, per call (``as_do_bench``: each
-    call behind an L2 clear and between two events, as ``do_bench`` times it, the host profiled too; ``trace``: a
-    Chrome trace written there)."""
+def kernel_table(step, iterations: int, as_do_bench: bool = False, trace: str = None) -> str:
+    """The profiled kernels of ``iterations`` calls of ``step()`` (a forward + backward, ``bench.training_step``),
+    per call (``as_do_bench``: each call behind an L2 clear and between two events, as ``do_bench`` times it, the
+    host profiled too; ``trace``: a Chrome trace written there)."""
     from torch.profiler import ProfilerActivity, profile
     from triton.runtime import driver
-
-    def step():
-        for p in params:
-            p.grad = None
-        fn().backward(dy)
 
     cache = driver.active.get_empty_cache_for_benchmark() if as_do_bench else None
 
@@ -108,14 +103,13 @@ def main() -> int:
     inputs = bench.make_inputs(shape)
     for name in args.impls.split(","):
         fn = bench_recipes.IMPLEMENTATIONS[name]
-        x, w1, w2 = (inputs[key].clone().requires_grad_(True) for key in ("x", "w1", "w2"))
+        _, step, _ = bench.training_step(fn, inputs, shape.activation)
         with getattr(fn, "context", contextlib.nullcontext)():  # a variant's flags (bench_recipes.VARIANTS)
             trace = (os.path.join(args.out, f"trace_{name}_{args.shape}.json")
                      if args.out and args.as_do_bench else None)
             if trace:
                 os.makedirs(args.out, exist_ok=True)
-            table = kernel_table(lambda: fn(x, inputs["counts"], w1, w2, shape.activation), [x, w1, w2],
-                                 inputs["dy"], args.iterations, args.as_do_bench, trace)
+            table = kernel_table(step, args.iterations, args.as_do_bench, trace)
         finished = time.strftime("%H:%M:%S")  # to match the call with a clock log (device_recipes.sh CLOCKS=1)
         text = f"{name} at {args.shape} ({torch.cuda.get_device_name()}), profiled up to {finished}\n{table}\n"
         print(text, flush=True)

@@ -179,23 +179,30 @@ def measure_ceilings() -> Dict[str, float]:
     return {"bf16_gemm_tflops": 2 * n ** 3 / ms / 1e9, "d2d_copy_tbps": 2 * (1 << 30) / copy_ms / 1e9}
 
 
+def training_step(fn: Callable, inputs, activation: str):
+    """(forward, step, params): leaf copies of ``inputs``' x, w1 and w2 (``params``), ``forward()`` of ``fn`` on
+    them (called as ``fn(x, counts, w1, w2, activation)``), and ``step()``: their gradients cleared, then forward +
+    backward with ``inputs["dy"]``, what every timing tool repeats."""
+    params = [inputs[key].clone().requires_grad_(True) for key in ("x", "w1", "w2")]
+    x, w1, w2 = params
+
+    def forward():
+        return fn(x, inputs["counts"], w1, w2, activation)
+
+    def step():
+        for p in params:
+            p.grad = None
+        forward().backward(inputs["dy"])
+
+    return forward, step, params
+
+
 def bench_implementation(name: str, shape: Shape, inputs, peak_tflops: float,
                          fn: Optional[Callable] = None) -> Dict[str, float]:
     """Times ``fn`` (default: ``IMPLEMENTATIONS[name]``), called as ``fn(x, counts, w1, w2, activation)``."""
-    fn = fn or IMPLEMENTATIONS[name]
-    x = inputs["x"].clone().requires_grad_(True)
-    w1 = inputs["w1"].clone().requires_grad_(True)
-    w2 = inputs["w2"].clone().requires_grad_(True)
-    counts, dy = inputs["counts"], inputs["dy"]
-    params = [x, w1, w2]
-    routed = int(counts.sum())
-    flops = forward_flops(shape, routed)
-
-    def forward():
-        return fn(x, counts, w1, w2, shape.activation)
-
-    def fwd_bwd():
-        forward().backward(dy)
+    forward, fwd_bwd, params = training_step(fn or IMPLEMENTATIONS[name], inputs, shape.activation)
+    dy = inputs["dy"]
+    flops = forward_flops(shape, int(inputs["counts"].sum()))
 
     fwd_bwd()  # compile / warm up
     torch.cuda.synchronize()

@@ -163,13 +163,7 @@ def run(impls: Sequence[str], pairs: Sequence[Tuple[str, str]], shape_name: str,
         for _ in range(rounds):
             for name in impls:
                 fn = bench_recipes.IMPLEMENTATIONS[name]
-                x, w1, w2 = (inputs[key].clone().requires_grad_(True) for key in ("x", "w1", "w2"))
-
-                def step():
-                    for p in (x, w1, w2):
-                        p.grad = None
-                    fn(x, inputs["counts"], w1, w2, shape.activation).backward(inputs["dy"])
-
+                _, step, _ = bench.training_step(fn, inputs, shape.activation)
                 with getattr(fn, "context", contextlib.nullcontext)():  # a variant's flags
                     timed[name].append(sustained_ms(step, warm_s, calls, clocks))
                 torch.cuda.empty_cache()

@@ -56,3 +56,33 @@ def test_clock_log_without_nvidia_smi_is_empty(monkeypatch):
     log = bs.ClockLog()
     assert log.samples == [] and log.window(0.0, 1e9) is None
     log.close()
+
+
+def test_training_step_recomputes_gradients_from_fresh_copies():
+    """``bench.training_step``: the parameters are leaf copies (the inputs stay untouched), and each step clears
+    their gradients before its backward, so two steps leave one step's gradients, not their sum."""
+    import torch
+
+    from te_fused_moe import bench
+
+    T, H, F, E = 12, 8, 6, 3
+    inputs = {"x": torch.randn(T, H, dtype=torch.float64), "w1": torch.randn(E, F, H, dtype=torch.float64),
+              "w2": torch.randn(E, H, F, dtype=torch.float64), "counts": torch.tensor([5, 0, 7]),
+              "dy": torch.randn(T, H, dtype=torch.float64)}
+
+    def mlp(x, counts, w1, w2, activation):
+        assert activation == "gelu"
+        rows = torch.repeat_interleave(torch.arange(E), counts)
+        h = torch.einsum("th,tfh->tf", x, w1[rows])
+        return torch.einsum("tf,thf->th", torch.nn.functional.gelu(h), w2[rows])
+
+    forward, step, params = bench.training_step(mlp, inputs, "gelu")
+    assert all(p.is_leaf and p.requires_grad and p.data_ptr() != inputs[k].data_ptr()
+               for p, k in zip(params, ("x", "w1", "w2")))
+    step()
+    once = [p.grad.clone() for p in params]
+    step()
+    for p, g in zip(params, once):
+        assert torch.equal(p.grad, g)
+    assert params[1].grad[1].abs().sum() == 0 and params[1].grad[0].abs().sum() > 0  # expert 1 got no tokens
+    torch.testing.assert_close(forward(), mlp(*(inputs[k] for k in ("x", "counts", "w1", "w2")), "gelu"))
