@@ -286,9 +286,18 @@ def check_quantize_kernels(device: str) -> dict:
         out[name] = {**_rows_mismatches(q, x, counts, spec, bits), **_values_mismatches(q, counts)}
     w = torch.randn(2, 256, 384, generator=g)
     w[1, 17, 200] = 40.0  # one tile's outlier
-    for block_2d in (True, False):
-        wq = quantize_weight(w.to(device=device, dtype=torch.bfloat16),
-                             NVSpec(rht=False, block_2d=block_2d, bf16_values=True))
+    from te_fused_moe.backends.triton.nvfp4 import quantize as Q
+
+    default_codes_t = Q.WEIGHT_CODES_TRANSPOSED
+    # 16x16 tiles with the transposed copy's codes encoded again and taken from the rowwise codes, and 1x16 blocks
+    for label, block_2d, codes_t in (("2d_True", True, False), ("2d_True_codes_t", True, True),
+                                     ("2d_False", False, default_codes_t)):
+        try:
+            Q.WEIGHT_CODES_TRANSPOSED = codes_t
+            wq = quantize_weight(w.to(device=device, dtype=torch.bfloat16),
+                                 NVSpec(rht=False, block_2d=block_2d, bf16_values=True))
+        finally:
+            Q.WEIGHT_CODES_TRANSPOSED = default_codes_t
         bad = {"data": 0, "scale": 0, "data_t": 0, "scale_t": 0, "amax": 0, "values": 0, "values_t": 0}
         for e in range(2):
             we = w[e].to(torch.bfloat16).float()
@@ -308,7 +317,7 @@ def check_quantize_kernels(device: str) -> dict:
             block = lambda sc, dim: formats.decode(sc, formats.E4M3).repeat_interleave(16, dim)
             bad["values"] += int((wq.values[e].float().cpu() != split_order(codes * block(scale, 1))).sum())
             bad["values_t"] += int((wq.values_t[e].float().cpu() != split_order((codes_t * block(scale_t, 0)).t())).sum())
-        out[f"weight_2d_{block_2d}"] = bad
+        out[f"weight_{label}"] = bad
     return out
 
 
@@ -587,7 +596,7 @@ def check_routed_gemms(device: str) -> dict:
 
 
 def check_wgrad_steps(device: str) -> dict:
-    """The BF16-valued wgrad at half a tile slot per step (``wgrad.NVWgradConfig.block_t = 64``, the default) and at
+    """The BF16-valued wgrad at half a tile slot per step (``wgrad.NVWgradConfig.block_t = 64``) and at
     a slot per step (two dots), and the wgrad expanding the packed codes in its K loop: random data with RHT, an
     empty expert and a partial last slot, dW poisoned before each. Per variant, whether it is bitwise equal to the
     half-step one and their largest difference over its largest magnitude (NaN where an element was left unwritten):
@@ -609,8 +618,7 @@ def check_wgrad_steps(device: str) -> dict:
     schedule = build_schedule(counts.to(device), T, Q.TILE)
     gq, xq = (Q.quantize_rows(randn(T, width), schedule, E, spec, rowwise=False, colwise=True) for width in (N, K))
     gv, xv = (Q.with_values(q, colwise=True) for q in (gq, xq))
-    half = W.default_config(True)
-    assert half.block_t == W.HALF_SLOT, half
+    half = replace(W.default_config(True), block_t=W.HALF_SLOT)
     variants = {"half_slot": (gv, xv, half), "slot": (gv, xv, replace(half, block_t=None)),
                 "packed_codes": (gq, xq, W.default_config(False))}
     dws = {}
@@ -628,7 +636,9 @@ def check_wgrad_steps(device: str) -> dict:
 # --- the interpreter run ------------------------------------------------------------------------------
 
 def sm90_build_report() -> dict:
-    """Offline sm_90a builds of every default NVFP4 kernel (tests/sm90_build.py)."""
+    """Offline sm_90a builds of every default NVFP4 kernel and of the opt-in ones (tests/sm90_build.py)."""
+    from dataclasses import replace
+
     from sm90_build import build_sm90 as build
 
     from te_fused_moe.backends.triton.act_math import ACT_IDS
@@ -658,10 +668,11 @@ def sm90_build_report() -> dict:
                       SPLIT_EPILOGUE=mode == MODE_DACT and cfg.split_epilogue, A_BF16=a_bf16, B_BF16=b_bf16,
                       BM=128, BN=cfg.block_n, BK=gemm.BLOCK_K, GROUP_M=cfg.group_m)
         report[name] = build(gemm.nv_grouped_gemm_kernel, types, consts, cfg.num_warps, cfg.num_stages)
-    for bf16 in (False, True):
-        wc = W.default_config(bf16)
+    for label, bf16, block_t in (("wgrad", False, None), ("wgrad_values", True, None),
+                                 ("wgrad_values_half_slot", True, W.HALF_SLOT)):
+        wc = replace(W.default_config(bf16), block_t=block_t)
         elem = "bf16" if bf16 else "u8"
-        report["wgrad_values" if bf16 else "wgrad"] = build(
+        report[label] = build(
             W.nv_wgrad_kernel, dict(g_src=f"tensordesc<{elem}[{wc.block_n}, 64]>",
                                     x_src=f"tensordesc<{elem}[{wc.block_k}, 64]>", gs_ptr="*u8", xs_ptr="*u8",
                                     amax_g_ptr="*fp32", amax_x_ptr="*fp32", dw_ptr="*bf16", sched_ptr="*i32"),
@@ -681,9 +692,10 @@ def sm90_build_report() -> dict:
     report["quantize_weight_1d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
                                                                         s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
                                          dict(TRANSPOSED=True, BLOCK_2D=False, BLK=128))
-    report["quantize_weight_2d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
-                                                                        s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
-                                         dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128))
+    for label, codes_t in (("quantize_weight_2d", False), ("quantize_weight_2d_codes_t", True)):
+        report[label] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", s_ptr="*u8",
+                                                             qt_ptr="*u8", st_ptr="*u8"),
+                              dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128, CODES_T_FROM_CODES=codes_t))
     report["expand"] = build(Q.expand_kernel, dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16"), dict(UPCAST=False, BLK=128))
     report.update(routed_build_report(build))
     return report
@@ -760,6 +772,12 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
             assert r["loop_spills"] == 0 or name == "fc1_routed", (name, r)
         assert r["stack"] <= (512 if name.startswith("fc1") else 0), (name, r)
         assert r["shared"] <= SM90_MAX_SHARED, (name, r)  # else the launch fails on the GPU
+    # half a slot per step: two programs share an SM (shared memory and 256 threads' registers for two)
+    half = report["wgrad_values_half_slot"]
+    assert 2 * half["shared"] <= SM90_MAX_SHARED and half["registers"] <= 128, half
+    # the transposed weight copy's codes from the rowwise ones: the tile is encoded once
+    codes_t, twice = report["quantize_weight_2d_codes_t"], report["quantize_weight_2d"]
+    assert codes_t["instructions"] < 0.7 * twice["instructions"], (codes_t, twice)
 
 
 def test_codec_is_bit_exact(results):
@@ -769,7 +787,7 @@ def test_codec_is_bit_exact(results):
 
 
 def test_quantize_kernels_are_bit_exact(results):
-    assert len(results["quantize"]) == 8
+    assert len(results["quantize"]) == 9
     for key, bad in results["quantize"].items():
         assert all(v == 0 for v in bad.values()), (key, bad)
 

@@ -69,8 +69,8 @@ def test_gemms_on_the_bf16_kernel_match_the_nvfp4_kernel_gpu():
 
 
 def test_wgrad_half_slot_steps_match_slot_steps_gpu():
-    """The BF16-valued wgrad at half a slot per step (the default) against a slot per step and the packed-code K
-    loop: the same dots in the same order, so bitwise equal on the GPU too, every element written."""
+    """The BF16-valued wgrad at half a slot per step (opt-in: ``wgrad.VALUES_HALF_SLOT``) against a slot per step and
+    the packed-code K loop: the same dots in the same order, so bitwise equal on the GPU too, every element written."""
     r = checks.check_wgrad_steps("cuda")
     print("NVFP4_WGRAD_STEPS", json.dumps(r))
     assert r["empty_expert_zero"], r

@@ -53,8 +53,10 @@ NV = 16  # elements per scale block
 TILE = 128  # schedule M tile
 QUANT_COLS = 64  # columns per quantize program
 # 16x16 weight tiles: the transposed copy's codes as the rowwise copy's codes transposed (True), or encoded again from
-# the transposed FP32 tile (False, runs 14-41); the same bytes either way
-WEIGHT_CODES_TRANSPOSED = True
+# the transposed FP32 tile (False, runs 14-41); the same bytes either way (interpreter), and offline sm_90a half the
+# instructions (2416 against 4656) and registers (128 against 255). Off until it has run on the GPU: session 38 got no
+# device time, and run 14 saw a transposed tile's codes come out wrong on the GPU in some builds (activations)
+WEIGHT_CODES_TRANSPOSED = False
 # TE's wgrad RHT sign vector as a bit mask (bit i set: sign i is negative)
 RHT_NEG_MASK = sum(1 << i for i, s in enumerate(hadamard.WGRAD_SIGNS) if s < 0)
 

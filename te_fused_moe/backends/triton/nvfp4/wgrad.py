@@ -9,8 +9,8 @@ Each step reads one tile slot (128 tokens: 64 bytes per row) of both operands, e
 exactly to BF16 with their E4M3 block scales, as even and odd tokens (``codec.e2m1_expand_halves``),
 and runs one BF16 wgmma per half into the FP32 accumulator; or, with ``BF16``, reads both operands'
 BF16 values expanded before the GEMM (``quantize.with_values``: the same halves, stored in slots
-of 128 values), a slot or (``NVWgradConfig.block_t = 64``, ``HALF_STEPS``) one half of a slot per step:
-the same dots in the same order, so the same sums, in half the shared memory per stage. The two per-expert tensor factors ``amax_t / 2688`` multiply the result. Slots hold zeros past the
+of 128 values), a slot or (``NVWgradConfig.block_t = 64``, ``HALF_STEPS``; :data:`VALUES_HALF_SLOT`) one half of
+a slot per step: the same dots in the same order, so the same sums, in half the shared memory per stage. The two per-expert tensor factors ``amax_t / 2688`` multiply the result. Slots hold zeros past the
 expert's rows (and past its last 16-token block), so no masking is needed. Experts with no tokens
 store zeros.
 """
@@ -35,6 +35,10 @@ from .gemm import operand_halves
 from .quantize import TILE, NVRows
 
 HALF_SLOT = TILE // 2  # tokens per step of the BF16-valued wgrad's half-slot loop
+# The BF16-valued default config at half a slot per step (``NVWgradConfig.block_t``). Off until it has run on the GPU:
+# session 38 got no device time (bitwise equal to a slot per step under the interpreter, and offline at 98 KB of
+# shared memory and 90 registers: two programs per SM).
+VALUES_HALF_SLOT = False
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,12 @@ class NVWgradConfig:
 def default_config(bf16_operands: bool = False) -> NVWgradConfig:
     """Expanding in the K loop: 64 (N) x 128 (K) tiles at 4 warps, 3 stages (MXFP8's expansion wgrad
     default on the H200). Reading BF16 values: 128 x 128 at 8 warps, 3 stages (run 15 at DSv3: 512
-    TFLOP/s; 357-389 with 2 stages or 4-warp 64-wide tiles), half a slot per step (``block_t``)."""
+    TFLOP/s; 357-389 with 2 stages or 4-warp 64-wide tiles), half a slot per step with :data:`VALUES_HALF_SLOT`."""
+    block_t = HALF_SLOT if bf16_operands and VALUES_HALF_SLOT else None
     if interpreting():
-        return NVWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1,
-                             block_t=HALF_SLOT if bf16_operands else None)
+        return NVWgradConfig(block_n=64, block_k=128, group_n=2, num_warps=4, num_stages=1, block_t=block_t)
     if bf16_operands:
-        return NVWgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, block_t=HALF_SLOT)
+        return NVWgradConfig(block_n=128, block_k=128, num_warps=8, num_stages=3, block_t=block_t)
     return NVWgradConfig()
 
 
