@@ -358,7 +358,9 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       "nvfp4_fused_bf16_weights": _fused_under("nvfp4", autograd=dict(BF16_WEIGHT_VALUES=True)),
                       # every GEMM on NVFP4's own kernel (before run 41: since then the four token GEMMs on BF16
                       # values run on the BF16 backend's persistent kernel, gemm.VALUES_ON_BF16_KERNEL)
-                      "nvfp4_fused_nv_kernel": _fused_under("nvfp4", gemm=dict(VALUES_ON_BF16_KERNEL=False))}}
+                      "nvfp4_fused_nv_kernel": _fused_under("nvfp4", gemm=dict(VALUES_ON_BF16_KERNEL=False)),
+                      # the BF16-valued wgrads at half a tile slot per step (opt-in: wgrad.VALUES_HALF_SLOT)
+                      "nvfp4_fused_half_slot_wgrad": _fused_under("nvfp4", wgrad=dict(VALUES_HALF_SLOT=True))}}
 for _variants in VARIANTS.values():
     IMPLEMENTATIONS.update(_variants)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in
