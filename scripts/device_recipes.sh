@@ -196,7 +196,8 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                        bf16_fused,mxfp8_fused,mxfp8_unfused,mxfp8_fused_triton_wgrad,mxfp8_unfused_triton_wgrad \
                        --out "$OUT/recipes_mxfp8_cublas_wgrad";;
     nv_probe) step probe_nv_wgrad "${PROBE_TIMEOUT:-200}" python scripts/probe_nv_wgrad.py --out "$OUT/probe_nv_wgrad"
-              step probe_nv_refresh "${PROBE_TIMEOUT:-200}" python scripts/probe_nv_refresh.py --out "$OUT/probe_nv_refresh";;
+              step probe_nv_refresh "${PROBE_TIMEOUT:-200}" python scripts/probe_nv_refresh.py \
+                --out "$OUT/probe_nv_refresh";;
     bf16_tests) step pytest_bf16 "${BF16_TESTS_TIMEOUT:-300}" python -m pytest -m gpu -q -p no:cacheprovider \
                   tests/gpu/test_triton_gpu.py tests/gpu/test_triton_persistent_gpu.py;;
     mx_wgrad_probe) step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad";;

@@ -596,16 +596,16 @@ def check_routed_gemms(device: str) -> dict:
 
 
 def check_wgrad_steps(device: str) -> dict:
-    """The BF16-valued wgrad at half a tile slot per step (``wgrad.NVWgradConfig.block_t = 64``) and at
-    a slot per step (two dots), and the wgrad expanding the packed codes in its K loop: random data with RHT, an
-    empty expert and a partial last slot, dW poisoned before each. Per variant, whether it is bitwise equal to the
-    half-step one and their largest difference over its largest magnitude (NaN where an element was left unwritten):
-    the same dots in the same order give the same sums."""
+    """The BF16-valued wgrad at half a tile slot per step (``wgrad.NVWgradConfig.block_t = 64``; by TMA and by
+    pointer loads) and at a slot per step (two dots), and the wgrad expanding the packed codes in its K loop: random
+    data with RHT, an empty expert and a partial last slot, dW poisoned before each. Per variant, whether it is
+    bitwise equal to the half-step one and their largest difference over its largest magnitude (NaN where an element
+    was left unwritten): the same dots in the same order give the same sums."""
     from dataclasses import replace
 
     from moe_reference import poison_
 
-    from te_fused_moe.backends.triton.nvfp4 import autograd as A, quantize as Q, wgrad as W
+    from te_fused_moe.backends.triton.nvfp4 import autograd as A, gemm as nv_gemm, quantize as Q, wgrad as W
     from te_fused_moe.backends.triton.schedule import build_schedule
     from te_fused_moe.recipes import NVFP4BlockScaling
 
@@ -619,12 +619,17 @@ def check_wgrad_steps(device: str) -> dict:
     gq, xq = (Q.quantize_rows(randn(T, width), schedule, E, spec, rowwise=False, colwise=True) for width in (N, K))
     gv, xv = (Q.with_values(q, colwise=True) for q in (gq, xq))
     half = replace(W.default_config(True), block_t=W.HALF_SLOT)
-    variants = {"half_slot": (gv, xv, half), "slot": (gv, xv, replace(half, block_t=None)),
-                "packed_codes": (gq, xq, W.default_config(False))}
-    dws = {}
-    for name, (gg, xx, cfg) in variants.items():
+    variants = {"half_slot": (gv, xv, half, True), "half_slot_pointers": (gv, xv, half, False),
+                "slot": (gv, xv, replace(half, block_t=None), True),
+                "packed_codes": (gq, xq, W.default_config(False), True)}
+    dws, tma_default = {}, nv_gemm.USE_TMA_DEFAULT
+    for name, (gg, xx, cfg, tma) in variants.items():
         dws[name] = poison_(torch.empty(E, N, K, device=device, dtype=torch.bfloat16))
-        W.nv_grouped_wgrad(gg, xx, schedule, dws[name], config=cfg)
+        try:
+            nv_gemm.USE_TMA_DEFAULT = tma and tma_default  # False: pointer loads instead of TMA descriptors
+            W.nv_grouped_wgrad(gg, xx, schedule, dws[name], config=cfg)
+        finally:
+            nv_gemm.USE_TMA_DEFAULT = tma_default
     ref = dws["half_slot"].float()
     out = {"empty_expert_zero": bool((ref[1] == 0).all())}
     for name, dw in dws.items():
@@ -854,7 +859,7 @@ def test_wgrad_half_slot_steps_match_slot_steps(results):
     gives the same products (exact expansions) in the same order too."""
     r = results["wgrad_steps"]
     assert r["empty_expert_zero"], r
-    for name in ("half_slot", "slot", "packed_codes"):
+    for name in ("half_slot", "half_slot_pointers", "slot", "packed_codes"):
         assert r[name]["bitwise"] and r[name]["rel_diff"] == 0.0, (name, r)
 
 

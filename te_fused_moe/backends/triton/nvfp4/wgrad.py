@@ -9,8 +9,9 @@ Each step reads one tile slot (128 tokens: 64 bytes per row) of both operands, e
 exactly to BF16 with their E4M3 block scales, as even and odd tokens (``codec.e2m1_expand_halves``),
 and runs one BF16 wgmma per half into the FP32 accumulator; or, with ``BF16``, reads both operands'
 BF16 values expanded before the GEMM (``quantize.with_values``: the same halves, stored in slots
-of 128 values), a slot or (``NVWgradConfig.block_t = 64``, ``HALF_STEPS``; :data:`VALUES_HALF_SLOT`) one half of
-a slot per step: the same dots in the same order, so the same sums, in half the shared memory per stage. The two per-expert tensor factors ``amax_t / 2688`` multiply the result. Slots hold zeros past the
+of 128 values), a slot or (``NVWgradConfig.block_t = 64``, ``HALF_STEPS``; :data:`VALUES_HALF_SLOT`) one
+half of a slot per step: the same dots in the same order, so the same sums, in half the shared memory per
+stage. The two per-expert tensor factors ``amax_t / 2688`` multiply the result. Slots hold zeros past the
 expert's rows (and past its last 16-token block), so no masking is needed. Experts with no tokens
 store zeros.
 """
@@ -28,6 +29,7 @@ import triton.language as tl
 from ..act_math import to_output
 from ..block_scaled_launch import wgrad_operands
 from ..grouped_gemm import interpreting
+from ..operand_tiles import k_block
 from ..schedule import swizzle
 from . import gemm as nv_gemm
 from .codec import DEQUANT_FACTOR
@@ -87,9 +89,9 @@ def nv_wgrad_kernel(
     cols_k = pid_k * BK + tl.arange(0, BK)
     n_in = tl.minimum(cols_n, N - 1)
     k_in = tl.minimum(cols_k, K - 1)
-    if USE_TMA:
-        g_ptrs = 0  # unused: the descriptors address the tiles
-        x_ptrs = 0
+    if USE_TMA:  # the descriptors address the tiles
+        g_ptrs = g_src
+        x_ptrs = x_src
     else:
         toks = tl.arange(0, BT // 2)
         g_ptrs = g_src + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
@@ -98,13 +100,8 @@ def nv_wgrad_kernel(
     blk = tl.arange(0, BT // 16)
     if HALF_STEPS:  # BF16 values, one half slot (64 columns: even tokens, then odd) per step
         for half in range(2 * tile_start, 2 * (tile_start + tl.cdiv(row_end - row_start, BT))):
-            col = half * (BT // 2)
-            if USE_TMA:
-                g = g_src.load([pid_n * BN, col])
-                x = x_src.load([pid_k * BK, col])
-            else:
-                g = tl.load(g_ptrs + col)
-                x = tl.load(x_ptrs + col)
+            g = k_block(g_ptrs, pid_n * BN, half * (BT // 2), USE_TMA)
+            x = k_block(x_ptrs, pid_k * BK, half * (BT // 2), USE_TMA)
             if UPCAST:
                 g = g.to(tl.float32)
                 x = x.to(tl.float32)
