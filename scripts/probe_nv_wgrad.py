@@ -1,8 +1,8 @@
 """NVFP4's two weight gradients at DSv3 as its default path runs them (both columnwise copies, Hadamard-transformed
 and quantized, then expanded to BF16 values; 32768 routed rows balanced over 32 experts: 1024 tokens each) on its
-wgrad kernel at a slot (128 tokens, two dots) per step, the config of runs 15-41, and at half a slot per step (the
-default since run 42) with a few variants, next to the K loop expanding the packed codes and cuBLAS's grouped GEMM
-on the same values (``library_wgrad.values_wgrad``: BF16 out, no tensor scales: what it would cost, not a route).
+wgrad kernel at a slot (128 tokens, two dots) per step, the default, and at half a slot per step (opt-in since
+session 38: ``wgrad.VALUES_HALF_SLOT``) with a few variants, next to the K loop expanding the packed codes and cuBLAS's
+grouped GEMM on the same values (``library_wgrad.values_wgrad``: BF16 out, no tensor scales: what it would cost, not a route).
 A measurement tool, not a test: it prints ms, TFLOP/s (median over interleaved rounds: the GPU runs at its power
 cap) and each output's largest difference from the slot-per-step config's (the same dots in the same order: 0).
 
@@ -22,7 +22,7 @@ from probe_results import run_and_save
 
 # name -> (N, K): dW [E, N, K] = G_e^T @ X_e with G [ROUTED, N], X [ROUTED, K]
 SHAPES = {"dw1": (2 * FFN, HIDDEN), "dw2": (HIDDEN, FFN)}
-# changes of the half-slot default (128 x 128 tiles, 8 warps, 3 stages)
+# changes of the half-slot config (the values default, 128 x 128 tiles at 8 warps and 3 stages, at 64 tokens a step)
 HALF_VARIANTS = {"half_s4": dict(num_stages=4), "half_group16": dict(group_n=16), "half_4w": dict(num_warps=4),
                  "half_64x128_4w": dict(block_n=64, num_warps=4)}
 ROUNDS = 3
@@ -45,7 +45,7 @@ def run() -> dict:
     spec, grad_spec, _ = A.specs_of(NVFP4BlockScaling())
     out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "torch": torch.__version__,
            "device": torch.cuda.get_device_name(), "rounds": ROUNDS}
-    half = W.default_config(True)
+    half = replace(W.default_config(True), block_t=W.HALF_SLOT)
     for name, (n, k) in SHAPES.items():
         g_rows = torch.randn(ROUTED, n, device="cuda", dtype=torch.bfloat16)
         x_rows = torch.randn(ROUTED, k, device="cuda", dtype=torch.bfloat16)

@@ -274,7 +274,7 @@ def quantize_weight_kernel(
     q_ptr, s_ptr, stride_se, stride_sk,
     qt_ptr, st_ptr, stride_ste, stride_stn,
     N, K,
-    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, BLK: tl.constexpr, CODES_T_FROM_CODES: tl.constexpr = True,
+    TRANSPOSED: tl.constexpr, BLOCK_2D: tl.constexpr, BLK: tl.constexpr, CODES_T_FROM_CODES: tl.constexpr = False,
 ):
     """One BLK x BLK tile of ``w[e]`` [N, K] with ``w[e]``'s tensor scale: ``q[e]`` [N, K/2] (1x16
     along K, or 16x16 tiles; scales at ``s[e, k // 16, n]``) and ``qt[e]`` [K, N/2] (along N; with
