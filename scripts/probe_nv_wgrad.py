@@ -2,7 +2,8 @@
 and quantized, then expanded to BF16 values; 32768 routed rows balanced over 32 experts: 1024 tokens each) on its
 wgrad kernel at a slot (128 tokens, two dots) per step, the default, and at half a slot per step (opt-in since
 session 38: ``wgrad.VALUES_HALF_SLOT``) with a few variants, next to the K loop expanding the packed codes and cuBLAS's
-grouped GEMM on the same values (``library_wgrad.values_wgrad``: BF16 out, no tensor scales: what it would cost, not a route).
+grouped GEMM on the same values (``library_wgrad.values_wgrad``: BF16 out, no tensor scales: what it would cost,
+not a route).
 A measurement tool, not a test: it prints ms, TFLOP/s (median over interleaved rounds: the GPU runs at its power
 cap) and each output's largest difference from the slot-per-step config's (the same dots in the same order: 0).
 
