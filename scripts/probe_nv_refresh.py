@@ -2,8 +2,8 @@
 recipe's 16x16 tiles, both copies: once per optimizer step in eager training, every replay of a captured graph)
 with the transposed copy's codes taken from the rowwise copy's (``quantize.WEIGHT_CODES_TRANSPOSED``, opt-in since
 session 38) and encoded again from the transposed tile (the default), next to the amax pass alone; whether the two
-give the same bytes. A measurement tool, not a test: ms (median over interleaved rounds) and GB/s (the weight read twice: amax
-and quantize).
+give the same bytes. A measurement tool, not a test: ms (median over interleaved rounds) and GB/s (the weight read
+twice: amax and quantize).
 
   usage: python scripts/probe_nv_refresh.py [--out DIR]
 """
