@@ -335,15 +335,12 @@ def _on_bf16_kernel(kind: str, a: torch.Tensor, b: torch.Tensor, n: int, k: int,
 
     strides = (b.stride(0), b.stride(2), b.stride(1))  # K-major [E, rows, K] read as [E, K, rows]
     cfg = replace(bf16_kernel_config(kind, n, k), block_n=block_n)
+    act = dict(h=h, h_up_offset=h_up_offset, probs=probs, activation=activation, alpha=alpha, limit=limit, gated=gated)
     if kind == "fc1":
-        return grouped_gemm.launch_scheduled("fc1", a, b, strides, n, k, c, schedule, num_experts, cfg,
-                                             b_up_rows=b_up_rows, h=h, h_up_offset=h_up_offset, bias=bias,
-                                             bias_up_offset=bias_up_offset, probs=probs, activation=activation,
-                                             alpha=alpha, limit=limit, gated=gated, scale=factors)
-    if kind == "dact":  # dh (FP32) at c and c_up_offset; dprob: partials per N tile
-        return grouped_gemm.launch_scheduled("dact", a, b, strides, n, k, c, schedule, num_experts, cfg,
-                                             c_up_offset=c_up_offset, h=h, h_up_offset=h_up_offset, probs=probs,
-                                             dprob=dprob, activation=activation, alpha=alpha, limit=limit,
-                                             gated=gated, scale=factors)
-    return grouped_gemm.launch_scheduled("fc2", a, b, strides, n, k, c, schedule, num_experts, cfg, bias=bias,
-                                         scale=factors)
+        epilogue = dict(act, b_up_rows=b_up_rows, bias=bias, bias_up_offset=bias_up_offset)
+    elif kind == "dact":  # dh (FP32) at c and c_up_offset; dprob: partials per N tile
+        epilogue = dict(act, c_up_offset=c_up_offset, dprob=dprob)
+    else:  # FC2, FC1's dgrad: C = A @ B^T (+ bias)
+        epilogue = dict(bias=bias)
+    return grouped_gemm.launch_scheduled(kind, a, b, strides, n, k, c, schedule, num_experts, cfg, scale=factors,
+                                         **epilogue)
