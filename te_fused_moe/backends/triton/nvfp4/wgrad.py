@@ -97,7 +97,6 @@ def nv_wgrad_kernel(
         g_ptrs = g_src + n_in.to(tl.int64)[:, None] * stride_gn + toks[None, :]
         x_ptrs = x_src + k_in.to(tl.int64)[:, None] * stride_xk + toks[None, :]
     acc = tl.zeros((BN, BK), dtype=tl.float32)
-    blk = tl.arange(0, BT // 16)
     if HALF_STEPS:  # BF16 values, one half slot (64 columns: even tokens, then odd) per step
         for half in range(2 * tile_start, 2 * (tile_start + tl.cdiv(row_end - row_start, BT))):
             g = k_block(g_ptrs, pid_n * BN, half * (BT // 2), USE_TMA)
@@ -107,6 +106,7 @@ def nv_wgrad_kernel(
                 x = x.to(tl.float32)
             acc = tl.dot(g, tl.trans(x), acc)
     else:
+        blk = tl.arange(0, BT // 16)  # a slot's 16-token scale blocks
         for t in range(0, tl.cdiv(row_end - row_start, BT)):
             slot = tile_start + t
             sblk = slot * (BT // 16) + blk
