@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mx_probe_problem import EXPERTS, FFN, HIDDEN, ROUTED
-from probe_results import run_and_save
+from probe_results import run_and_save, timed_in_rounds
 
 # name -> (N, K): dW [E, N, K] = G_e^T @ X_e with G [ROUTED, N], X [ROUTED, K]
 SHAPES = {"dw1": (2 * FFN, HIDDEN), "dw2": (HIDDEN, FFN)}
@@ -30,14 +30,11 @@ ROUNDS = 3
 
 
 def run() -> dict:
-    import statistics
-
     import torch
 
     from te_fused_moe.backends.triton import library_wgrad
     from te_fused_moe.backends.triton.nvfp4 import autograd as A, quantize as Q, wgrad as W
     from te_fused_moe.backends.triton.schedule import build_schedule
-    from te_fused_moe.bench import do_bench_ms
     from te_fused_moe.recipes import NVFP4BlockScaling
 
     torch.manual_seed(0)
@@ -59,27 +56,17 @@ def run() -> dict:
         calls = {"slot": (gv, xv, replace(half, block_t=None)), "half": (gv, xv, half)}
         calls.update({label: (gv, xv, replace(half, **change)) for label, change in HALF_VARIANTS.items()})
         calls["packed_codes"] = (gq, xq, W.default_config(False))
-        fns, entry = {}, {}
+        fns, outputs = {}, {}
         for label, (g, x, cfg) in calls.items():
-            dw = torch.full((EXPERTS, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-            fns[label] = (lambda g=g, x=x, cfg=cfg, dw=dw: W.nv_grouped_wgrad(g, x, sched, dw, config=cfg), dw)
-        fns["cublas_values"] = (lambda: library_wgrad.values_wgrad(gv.values_t, xv.values_t, sched, (EXPERTS, n, k)),
-                                None)
-        times = {label: [] for label in fns}
-        for _ in range(ROUNDS):
-            for label, (fn, _) in fns.items():
-                try:
-                    times[label].append(do_bench_ms(fn))
-                except Exception as e:  # a config that does not fit shared memory fails at its build or launch
-                    entry[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        for label, (fn, dw) in fns.items():
-            if label in entry:
-                continue
-            ms = statistics.median(times[label])
-            entry[label] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
-                            "rounds_ms": [round(t, 4) for t in times[label]]}
-            if dw is not None:
-                entry[label]["max_diff_vs_slot"] = float((dw.float() - ref.float()).abs().max())
+            outputs[label] = torch.full((EXPERTS, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+            fns[label] = lambda g=g, x=x, cfg=cfg, dw=outputs[label]: W.nv_grouped_wgrad(g, x, sched, dw, config=cfg)
+        fns["cublas_values"] = lambda: library_wgrad.values_wgrad(gv.values_t, xv.values_t, sched, (EXPERTS, n, k))
+        entry = timed_in_rounds(fns, ROUNDS)
+        for label, timing in entry.items():
+            if "ms" in timing:
+                timing["tflops"] = round(flops / timing["ms"] / 1e9, 1)
+            if label in outputs and "error" not in timing:
+                timing["max_diff_vs_slot"] = float((outputs[label].float() - ref.float()).abs().max())
         out[name] = entry
         print(name, entry, flush=True)
     return out

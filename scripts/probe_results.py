@@ -1,11 +1,12 @@
-"""What the probe scripts (``probe_wgrad.py``, ``probe_plain.py``) do with their results."""
+"""What the probe scripts (``probe_wgrad.py``, ``probe_plain.py``, ...) share: what they do with their results, and
+timing in interleaved rounds."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 
 def write_and_print(results: dict, out_dir: Optional[str], filename: str) -> None:
@@ -22,3 +23,26 @@ def run_and_save(run: Callable[[], dict], description: str, filename: str) -> No
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default=None)
     write_and_print(run(), p.parse_args().out, filename)
+
+
+def timed_in_rounds(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, dict]:
+    """Each of ``fns`` timed by ``do_bench`` once per round, the rounds interleaved (A B C, A B C, ...: the GPU runs
+    at its power cap, so each sees the same ramp): label -> ``{"ms": median, "rounds_ms": [...]}``, or ``{"error":
+    ...}`` for one whose build or launch failed (a config that does not fit shared memory)."""
+    import statistics
+
+    from te_fused_moe.bench import do_bench_ms
+
+    times, out = {label: [] for label in fns}, {}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            if label in out:
+                continue
+            try:
+                times[label].append(do_bench_ms(fn))
+            except Exception as e:
+                out[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    for label, ts in times.items():
+        if label not in out:
+            out[label] = {"ms": round(statistics.median(ts), 4), "rounds_ms": [round(t, 4) for t in ts]}
+    return out
