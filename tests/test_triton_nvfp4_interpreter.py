@@ -48,6 +48,7 @@ import pytest
 import torch
 
 from moe_reference import run_in_triton_interpreter
+from te_fused_moe.bench_recipes import _module_flags  # module flags set for one check, restored after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __name__ != "__main__":
@@ -288,16 +289,12 @@ def check_quantize_kernels(device: str) -> dict:
     w[1, 17, 200] = 40.0  # one tile's outlier
     from te_fused_moe.backends.triton.nvfp4 import quantize as Q
 
-    default_codes_t = Q.WEIGHT_CODES_TRANSPOSED
     # 16x16 tiles with the transposed copy's codes encoded again and taken from the rowwise codes, and 1x16 blocks
     for label, block_2d, codes_t in (("2d_True", True, False), ("2d_True_codes_t", True, True),
-                                     ("2d_False", False, default_codes_t)):
-        try:
-            Q.WEIGHT_CODES_TRANSPOSED = codes_t
+                                     ("2d_False", False, Q.WEIGHT_CODES_TRANSPOSED)):
+        with _module_flags(Q.__name__, dict(WEIGHT_CODES_TRANSPOSED=codes_t)):
             wq = quantize_weight(w.to(device=device, dtype=torch.bfloat16),
                                  NVSpec(rht=False, block_2d=block_2d, bf16_values=True))
-        finally:
-            Q.WEIGHT_CODES_TRANSPOSED = default_codes_t
         bad = {"data": 0, "scale": 0, "data_t": 0, "scale_t": 0, "amax": 0, "values": 0, "values_t": 0}
         for e in range(2):
             we = w[e].to(torch.bfloat16).float()
@@ -461,14 +458,8 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     alloc = (lambda *a, **k: poison_(torch.empty(*a, **k))) if poison else torch.empty
     flags = {name: value for suffix, named in CASE_FLAGS.items() if case[0].endswith(suffix)
              for name, value in named.items()}
-    defaults = {name: getattr(autograd, name) for name in flags}
-    try:
-        for name, value in flags.items():
-            setattr(autograd, name, value)
+    with _module_flags(autograd.__name__, flags):
         res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
-    finally:
-        for name, value in defaults.items():
-            setattr(autograd, name, value)
     res["seed"] = seed
     return res
 
@@ -566,12 +557,10 @@ def check_routed_gemms(device: str) -> dict:
     }
     h_saved = randn(T, 2 * F)  # the dGLU's input h (FC1's pre-activation)
     out = {}
-    default = gemm.VALUES_ON_BF16_KERNEL
-    try:
-        for name, (kind, a, b, n, shape, dtype, kw) in cases.items():
-            got = {}
-            for routed in (True, False):
-                gemm.VALUES_ON_BF16_KERNEL = routed
+    for name, (kind, a, b, n, shape, dtype, kw) in cases.items():
+        got = {}
+        for routed in (True, False):
+            with _module_flags(gemm.__name__, dict(VALUES_ON_BF16_KERNEL=routed)):
                 c = poison_(torch.empty(shape, device=device, dtype=dtype))
                 extra = {}
                 if kind == "fc1":  # h written
@@ -581,17 +570,15 @@ def check_routed_gemms(device: str) -> dict:
                     dprob = poison_(torch.empty((triton.cdiv(F, cfg.block_n), T), device=device))
                     extra = dict(h=h_saved, dprob=dprob, config=cfg)
                 gemm.launch(kind, a, b, n, schedule, E, c=c, **kw, **extra)
-                got[routed] = (c, extra.get("h") if kind == "fc1" else extra.get("dprob", torch.zeros(1)).sum(0))
-            pairs = [(name, got[True][0], got[False][0])]
-            if kind == "fc1":
-                pairs.append(("fc1_h", got[True][1], got[False][1]))
-            elif kind == "dact":
-                pairs.append(("dact_dprob", got[True][1], got[False][1]))
-            for label, routed_out, own in pairs:
-                diff = (routed_out.float() - own.float()).abs().max() / own.float().abs().max()
-                out[label] = {"bitwise": bool(torch.equal(routed_out, own)), "rel_diff": float(diff)}
-    finally:
-        gemm.VALUES_ON_BF16_KERNEL = default
+            got[routed] = (c, extra.get("h") if kind == "fc1" else extra.get("dprob", torch.zeros(1)).sum(0))
+        pairs = [(name, got[True][0], got[False][0])]
+        if kind == "fc1":
+            pairs.append(("fc1_h", got[True][1], got[False][1]))
+        elif kind == "dact":
+            pairs.append(("dact_dprob", got[True][1], got[False][1]))
+        for label, routed_out, own in pairs:
+            diff = (routed_out.float() - own.float()).abs().max() / own.float().abs().max()
+            out[label] = {"bitwise": bool(torch.equal(routed_out, own)), "rel_diff": float(diff)}
     return out
 
 
@@ -622,14 +609,12 @@ def check_wgrad_steps(device: str) -> dict:
     variants = {"half_slot": (gv, xv, half, True), "half_slot_pointers": (gv, xv, half, False),
                 "slot": (gv, xv, replace(half, block_t=None), True),
                 "packed_codes": (gq, xq, W.default_config(False), True)}
-    dws, tma_default = {}, nv_gemm.USE_TMA_DEFAULT
+    dws = {}
     for name, (gg, xx, cfg, tma) in variants.items():
         dws[name] = poison_(torch.empty(E, N, K, device=device, dtype=torch.bfloat16))
-        try:
-            nv_gemm.USE_TMA_DEFAULT = tma and tma_default  # False: pointer loads instead of TMA descriptors
+        # not tma: pointer loads instead of TMA descriptors
+        with _module_flags(nv_gemm.__name__, dict(USE_TMA_DEFAULT=tma and nv_gemm.USE_TMA_DEFAULT)):
             W.nv_grouped_wgrad(gg, xx, schedule, dws[name], config=cfg)
-        finally:
-            nv_gemm.USE_TMA_DEFAULT = tma_default
     ref = dws["half_slot"].float()
     out = {"empty_expert_zero": bool((ref[1] == 0).all())}
     for name, dw in dws.items():
