@@ -137,8 +137,8 @@ def sm90_build_report() -> dict:
             cfg = gemm.plain_values_config(2048, k, out_dtype)
             types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                          b_src=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", c_ptr=out_type, h_ptr=out_type,
-                         bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", scale_ptr="*fp32", alpha="fp32",
-                         limit="fp32")
+                         bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32",
+                         scale_ptr="*fp32", alpha="fp32", limit="fp32")
             consts = dict(MODE=grouped_gemm.MODE_PLAIN, ACT=ACT_IDS["swiglu"], GATED=False, HAS_BIAS=True,
                           HAS_PROBS=False, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True, EVEN_N=True,
                           N_VEC8=True, USE_TMA=True, B_KMAJOR=True, SPLIT_EPILOGUE=False, UPCAST=False,
@@ -152,7 +152,8 @@ def sm90_build_report() -> dict:
     for h_type in ("*bf16", "*fp32"):
         types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                      b_src=f"tensordesc<bf16[2, {cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
-                     bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", scale_ptr="*fp32", alpha="fp32",
+                     bias_ptr="*bf16", probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32",
+                     scale_ptr="*fp32", alpha="fp32",
                      limit="fp32", epi_store_args=A_COPIES_ARGS)
         consts = dict(MODE=grouped_gemm.MODE_ACT_FWD, ACT=ACT_IDS["swiglu"], GATED=True, HAS_BIAS=True,
                       HAS_PROBS=True, WRITE_DPROB=False, DPROB_PARTIALS=False, EVEN_K=True, EVEN_N=True, N_VEC8=True,
@@ -167,7 +168,8 @@ def sm90_build_report() -> dict:
     for h_type in ("*bf16", "*fp32"):
         types = dict(a_src=f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k}]>",
                      b_src=f"tensordesc<bf16[{cfg.block_n}, {cfg.block_k}]>", c_ptr=h_type, h_ptr=h_type,
-                     bias_ptr=h_type, probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32", scale_ptr="*fp32", alpha="fp32",
+                     bias_ptr=h_type, probs_ptr="*fp32", dprob_ptr="*fp32", sched_ptr="*i32",
+                     scale_ptr="*fp32", alpha="fp32",
                      limit="fp32", epi_store_args=DH_COPIES_ARGS + ("i32", "*fp32", "i32"))
         consts = dict(MODE=grouped_gemm.MODE_ACT_BWD, ACT=ACT_IDS["swiglu"], GATED=True, HAS_BIAS=False,
                       HAS_PROBS=True, WRITE_DPROB=True, DPROB_PARTIALS=True, EVEN_K=True, EVEN_N=True, N_VEC8=True,
