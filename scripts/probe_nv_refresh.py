@@ -1,7 +1,7 @@
 """NVFP4's weight refresh at DSv3 (``quantize.quantize_weight`` on w1 [32, 4096, 7168] and w2 [32, 7168, 2048], the
 recipe's 16x16 tiles, both copies: once per optimizer step in eager training, every replay of a captured graph)
-with the transposed copy's codes taken from the rowwise copy's (``quantize.WEIGHT_CODES_TRANSPOSED``, opt-in since
-session 38) and encoded again from the transposed tile (the default), next to the amax pass alone; whether the two
+with the transposed copy's codes taken from the rowwise copy's (``quantize.WEIGHT_CODES_TRANSPOSED``, the default
+since run 42) and encoded again from the transposed tile (before run 42), next to the amax pass alone; whether the two
 give the same bytes. A measurement tool, not a test: ms (median over interleaved rounds) and GB/s (the weight read
 twice: amax and quantize).
 

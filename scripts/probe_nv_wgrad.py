@@ -1,9 +1,9 @@
 """NVFP4's two weight gradients at DSv3 as its default path runs them (both columnwise copies, Hadamard-transformed
 and quantized, then expanded to BF16 values; 32768 routed rows balanced over 32 experts: 1024 tokens each) on its
-wgrad kernel at a slot (128 tokens, two dots) per step, the default, and at half a slot per step (opt-in since
-session 38: ``wgrad.VALUES_HALF_SLOT``) with a few variants, next to the K loop expanding the packed codes and cuBLAS's
-grouped GEMM on the same values (``library_wgrad.values_wgrad``: BF16 out, no tensor scales: what it would cost,
-not a route).
+wgrad kernel at a slot (128 tokens, two dots) per step (the default before run 42) and at half a slot per step
+(``wgrad.VALUES_HALF_SLOT``, the default since run 42, with 16-tile column groups) with a few variants, next to the K
+loop expanding the packed codes and cuBLAS's grouped GEMM on the same values (``library_wgrad.values_wgrad``, BF16
+out: the GEMM of ``autograd.VALUES_WGRAD_KERNEL = "cublas"``, whose x values carry the tensor scales).
 A measurement tool, not a test: it prints ms, TFLOP/s (median over interleaved rounds: the GPU runs at its power
 cap) and each output's largest difference from the slot-per-step config's (the same dots in the same order: 0).
 
@@ -24,7 +24,7 @@ from probe_results import run_and_save, timed_in_rounds
 # name -> (N, K): dW [E, N, K] = G_e^T @ X_e with G [ROUTED, N], X [ROUTED, K]
 SHAPES = {"dw1": (2 * FFN, HIDDEN), "dw2": (HIDDEN, FFN)}
 # changes of the half-slot config (the values default, 128 x 128 tiles at 8 warps and 3 stages, at 64 tokens a step)
-HALF_VARIANTS = {"half_s4": dict(num_stages=4), "half_group16": dict(group_n=16), "half_4w": dict(num_warps=4),
+HALF_VARIANTS = {"half_s4": dict(num_stages=4), "half_group8": dict(group_n=8), "half_4w": dict(num_warps=4),
                  "half_64x128_4w": dict(block_n=64, num_warps=4)}
 ROUNDS = 3
 
@@ -43,7 +43,10 @@ def run() -> dict:
     spec, grad_spec, _ = A.specs_of(NVFP4BlockScaling())
     out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "torch": torch.__version__,
            "device": torch.cuda.get_device_name(), "rounds": ROUNDS}
+    from te_fused_moe.bench_recipes import _call_under
+
     half = replace(W.default_config(True), block_t=W.HALF_SLOT)
+    slot = _call_under(W.__name__, dict(VALUES_HALF_SLOT=False), lambda: W.default_config(True))
     for name, (n, k) in SHAPES.items():
         g_rows = torch.randn(ROUTED, n, device="cuda", dtype=torch.bfloat16)
         x_rows = torch.randn(ROUTED, k, device="cuda", dtype=torch.bfloat16)
@@ -52,8 +55,8 @@ def run() -> dict:
         gv, xv = Q.with_values(gq, colwise=True), Q.with_values(xq, colwise=True)
         flops = 2.0 * ROUTED * n * k
         ref = torch.empty(EXPERTS, n, k, device="cuda", dtype=torch.bfloat16)
-        W.nv_grouped_wgrad(gv, xv, sched, ref, config=replace(half, block_t=None))
-        calls = {"slot": (gv, xv, replace(half, block_t=None)), "half": (gv, xv, half)}
+        W.nv_grouped_wgrad(gv, xv, sched, ref, config=slot)
+        calls = {"slot": (gv, xv, slot), "half": (gv, xv, half)}
         calls.update({label: (gv, xv, replace(half, **change)) for label, change in HALF_VARIANTS.items()})
         calls["packed_codes"] = (gq, xq, W.default_config(False))
         fns, outputs = {}, {}

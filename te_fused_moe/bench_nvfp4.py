@@ -66,9 +66,9 @@ class NVFP4Unfused(torch.autograd.Function):
         dx = torch.empty(T, H, device=dy.device, dtype=dy.dtype)
         gemm.launch("dgrad", rows(dhq, expand, rowwise=True), weight(w1q, expand, True), H, sched, E,
                     b_transposed=True, c=dx)
-        dw1, dw2 = torch.empty_like(w1), torch.empty_like(w2)
-        wgrad.nv_grouped_wgrad(rows(dyq, expand, colwise=True), rows(aq, expand, colwise=True), sched, dw2)
-        wgrad.nv_grouped_wgrad(rows(dhq, expand, colwise=True), rows(xq, expand, colwise=True), sched, dw1)
+        # the fused path's wgrads (autograd.VALUES_WGRAD_KERNEL): nothing in them to fuse
+        dw2 = autograd.weight_grad(dyq, aq, sched, w2, expand)
+        dw1 = autograd.weight_grad(dhq, xq, sched, w1, expand)
         return dx, None, dw1, dw2, None
 
 
@@ -83,6 +83,7 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
     operands in the K loop (``fc1_glu`` ...), and reading BF16 values (``..._values``)."""
     import triton
 
+    from .backends.triton import library_wgrad
     from .backends.triton.schedule import build_schedule
 
     autograd, gemm, quantize, wgrad = _kernels()
@@ -150,6 +151,12 @@ def bench_kernels(shape: bench.Shape, inputs, fp8_peak: float) -> Dict[str, Dict
                              2.0 * routed * n1 * H, None),
         "wgrad_w2_values": (lambda: wgrad.nv_grouped_wgrad(dyv, av, sched, dw2), 2.0 * routed * H * F, None),
         "wgrad_w1_values": (lambda: wgrad.nv_grouped_wgrad(dhv, xv, sched, dw1), 2.0 * routed * n1 * H, None),
+        # cuBLAS's grouped GEMM on the same values (autograd.VALUES_WGRAD_KERNEL "cublas"; the tensor scales that
+        # x's and a's values carry there change nothing in its time)
+        "wgrad_w2_values_cublas": (lambda: library_wgrad.values_wgrad(dyv.values_t, av.values_t, sched, dw2.shape),
+                                   2.0 * routed * H * F, None),
+        "wgrad_w1_values_cublas": (lambda: library_wgrad.values_wgrad(dhv.values_t, xv.values_t, sched, dw1.shape),
+                                   2.0 * routed * n1 * H, None),
     })
     # the *_values GEMMs above run on the BF16 backend's kernel (gemm.VALUES_ON_BF16_KERNEL); on NVFP4's own:
     for name in ("fc1_glu_values", "fc2_values", "fc1_dgrad_values"):

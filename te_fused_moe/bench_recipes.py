@@ -359,8 +359,12 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       # every GEMM on NVFP4's own kernel (before run 41: since then the four token GEMMs on BF16
                       # values run on the BF16 backend's persistent kernel, gemm.VALUES_ON_BF16_KERNEL)
                       "nvfp4_fused_nv_kernel": _fused_under("nvfp4", gemm=dict(VALUES_ON_BF16_KERNEL=False)),
-                      # the BF16-valued wgrads at half a tile slot per step (opt-in: wgrad.VALUES_HALF_SLOT)
-                      "nvfp4_fused_half_slot_wgrad": _fused_under("nvfp4", wgrad=dict(VALUES_HALF_SLOT=True))}}
+                      # the BF16-valued wgrads at a whole tile slot per step (before run 42: since then half a
+                      # slot, wgrad.VALUES_HALF_SLOT)
+                      "nvfp4_fused_slot_wgrad": _fused_under("nvfp4", wgrad=dict(VALUES_HALF_SLOT=False)),
+                      # the wgrads on NVFP4's Triton kernel (before run 42: since then on cuBLAS, x's and a's values
+                      # carrying the tensor scales, autograd.VALUES_WGRAD_KERNEL)
+                      "nvfp4_fused_triton_wgrad": _fused_under("nvfp4", autograd=dict(VALUES_WGRAD_KERNEL="triton"))}}
 for _variants in VARIANTS.values():
     IMPLEMENTATIONS.update(_variants)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in

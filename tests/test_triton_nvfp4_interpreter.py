@@ -85,9 +85,31 @@ MLP_CASES = [
     ("padded-gptoss-ptr-1d", 150, 200, 72, 2, "gpt_oss_swiglu", True, True, [60, 83], 7, True, False, (),
      dict(disable_2d_quantization=True)),
     ("padded-srelu-hbf16-kloop", 160, 136, 200, 2, "srelu", False, True, "zipf", 5, False, True, (), {}),
+    # the wgrads on torch._grouped_mm (on CPU its fallback, through the same path), one at a size off the tile
+    ("swiglu-ragged-rht-cublaswgrad", 300, 256, 128, 3, "swiglu", True, True, [100, 0, 163], 37, True, True, (), {}),
+    ("padded-gptoss-cublaswgrad", 150, 200, 72, 2, "gpt_oss_swiglu", True, True, [60, 83], 7, True, True, (), {}),
 ]
 # module flags of nvfp4.autograd that a case id's suffix sets for that case
-CASE_FLAGS = {"-bf16w": {"BF16_WEIGHT_VALUES": True}, "-kloop": {"EXPAND_BEFORE_GEMM": False}}
+CASE_FLAGS = {"-bf16w": {"BF16_WEIGHT_VALUES": True}, "-kloop": {"EXPAND_BEFORE_GEMM": False},
+              "-cublaswgrad": {"VALUES_WGRAD_KERNEL": "cublas"}, "-tritonwgrad": {"VALUES_WGRAD_KERNEL": "triton"}}
+
+
+def case_flags(case_id: str) -> dict:
+    """The ``nvfp4.autograd`` flags a case id's suffix sets (:data:`CASE_FLAGS`)."""
+    return {name: value for suffix, named in CASE_FLAGS.items() if case_id.endswith(suffix)
+            for name, value in named.items()}
+
+
+def library_wgrads_expected(case_id: str, device: str) -> int:
+    """How many of a case's two wgrads run on ``torch._grouped_mm``: both where its flags (or the default) put them on
+    cuBLAS, the operands are expanded first, and the route applies (CUDA; on CPU only the "-cublaswgrad" cases, whose
+    run patches it in)."""
+    from te_fused_moe.backends.triton.nvfp4 import autograd
+
+    flags = {"VALUES_WGRAD_KERNEL": autograd.VALUES_WGRAD_KERNEL, "EXPAND_BEFORE_GEMM": autograd.EXPAND_BEFORE_GEMM,
+             **case_flags(case_id)}
+    applies = device == "cuda" or case_id.endswith("-cublaswgrad")
+    return 2 if flags["VALUES_WGRAD_KERNEL"] == "cublas" and flags["EXPAND_BEFORE_GEMM"] and applies else 0
 SR_CASE = ("swiglu-sr", 300, 256, 128, 3, "swiglu", True, True, [96, 32, 128], 44, True, True, (),
            dict(disable_stochastic_rounding=False))
 
@@ -443,6 +465,7 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     from block_scaled_checks import compare_with_reference
     from moe_reference import poison_, random_problem
 
+    from te_fused_moe.backends.triton import library_wgrad
     from te_fused_moe.backends.triton.nvfp4 import autograd, gemm
     from te_fused_moe.recipes import NVFP4BlockScaling
 
@@ -456,11 +479,14 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=torch.bfloat16)
     recipe = NVFP4BlockScaling(**{"disable_stochastic_rounding": True, **options})
     alloc = (lambda *a, **k: poison_(torch.empty(*a, **k))) if poison else torch.empty
-    flags = {name: value for suffix, named in CASE_FLAGS.items() if case[0].endswith(suffix)
-             for name, value in named.items()}
-    with _module_flags(autograd.__name__, flags):
+    flags = case_flags(case[0])
+    calls, values_wgrad = [], library_wgrad.values_wgrad
+    library_flags = dict(values_wgrad=lambda *args: calls.append(1) or values_wgrad(*args))
+    if case[0].endswith("-cublaswgrad") and device == "cpu":
+        library_flags["runs_on"] = lambda like: True
+    with _module_flags(autograd.__name__, flags), _module_flags(library_wgrad.__name__, library_flags):
         res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
-    res["seed"] = seed
+    res["seed"], res["library_wgrads"] = seed, len(calls)  # wgrads that ran on torch._grouped_mm
     return res
 
 
@@ -623,6 +649,61 @@ def check_wgrad_steps(device: str) -> dict:
     return out
 
 
+def check_library_wgrad(device: str) -> dict:
+    """The wgrad on cuBLAS's grouped GEMM (``autograd.VALUES_WGRAD_KERNEL = "cublas"``; on CPU PyTorch's fallback of
+    ``torch._grouped_mm``): x's columnwise values expanded with both tensor scales of each slot's expert (poisoned
+    buffer; bitwise against the plain values times the factor, rounded once), then dW against the Triton kernel's
+    and an FP64 product of the dequantized operands. Random data with RHT, an empty expert, a partial last slot and
+    padding rows."""
+    from moe_reference import poison_
+
+    from te_fused_moe.backends.triton import library_wgrad
+    from te_fused_moe.backends.triton.nvfp4 import autograd as A, quantize as Q
+    from te_fused_moe.backends.triton.schedule import TILE_END, TILE_START, build_schedule
+    from te_fused_moe.recipes import NVFP4BlockScaling
+
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 20, (1,))))
+    T, N, K, E = 420, 256, 128, 3
+    counts = torch.tensor([int(torch.randint(140, 260, (1,), generator=g)), 0, 0])
+    counts[2] = T - 20 - counts[0]  # 20 padding rows
+    randn = lambda *size: (torch.randn(*size, generator=g) * torch.rand(1, generator=g) * 4).to(
+        device=device, dtype=torch.bfloat16)
+    spec, _, _ = A.specs_of(NVFP4BlockScaling(disable_stochastic_rounding=True))
+    schedule = build_schedule(counts.to(device), T, Q.TILE)
+    gq, xq = (Q.quantize_rows(randn(T, width), schedule, E, spec, rowwise=False, colwise=True) for width in (N, K))
+    poisoned = lambda *a, **k: poison_(torch.empty(*a, **k))
+    gv, xv = (Q.with_values(q, colwise=True, alloc=poisoned) for q in (gq, xq))
+    xs = Q.with_values(xq, colwise=True, alloc=poisoned, colwise_scaled_by=(gq, schedule))
+    table = schedule.cpu()
+    starts, ends = table[TILE_START * (E + 1):][:E + 1], table[TILE_END * (E + 1):][:E + 1]
+    d = torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+    factors = (gq.amax_t.cpu() * d) * (xq.amax_t.cpu() * d)
+    slot_factor = torch.zeros(xv.values_t.shape[1] // Q.TILE)
+    for group in range(E + 1):
+        slot_factor[int(starts[group]):int(ends[group])] = factors[group]
+    written = Q.TILE * int(ends[E])  # slots past the last tile hold no codes (allocated, never quantized)
+    expect = (xv.values_t.cpu()[:, :written].float() * slot_factor[:int(ends[E])].repeat_interleave(Q.TILE)).to(
+        torch.bfloat16)
+    out = {"scaled_values_bitwise": bool(torch.equal(xs.values_t.cpu()[:, :written], expect))}
+    dw_lib = library_wgrad.values_wgrad(gv.values_t, xs.values_t, schedule, (E, N, K)).cpu().double()
+    with _module_flags(A.__name__, dict(VALUES_WGRAD_KERNEL="triton")):
+        dw_triton = A.weight_grad(gq, xq, schedule, torch.empty(E, N, K, device=device, dtype=torch.bfloat16), True)
+    truth, magnitude = torch.zeros(E, N, K, dtype=torch.float64), torch.zeros(E, N, K, dtype=torch.float64)
+    for e in range(E):
+        cols = slice(Q.TILE * int(starts[e]), Q.TILE * int(ends[e]))
+        ge, xe = gv.values_t.cpu()[:N, cols].double(), xv.values_t.cpu()[:K, cols].double()
+        truth[e] = (ge @ xe.t()) * float(factors[e])
+        magnitude[e] = (ge.abs() @ xe.abs().t()) * float(factors[e])
+    scale = truth.abs().max()
+    out["empty_expert_zero"] = bool((dw_lib[1] == 0).all())
+    # what rounding each of x's values once more may move a sum by at most, over dW's largest magnitude
+    out["values_rounding_bound"] = float(2 ** -8 * magnitude.max() / scale)
+    out["lib_err"] = float((dw_lib - truth).abs().max() / scale)
+    out["triton_err"] = float((dw_triton.cpu().double() - truth).abs().max() / scale)
+    out["lib_vs_triton"] = float((dw_lib - dw_triton.cpu().double()).abs().max() / scale)
+    return out
+
+
 # --- the interpreter run ------------------------------------------------------------------------------
 
 def sm90_build_report() -> dict:
@@ -686,7 +767,10 @@ def sm90_build_report() -> dict:
         report[label] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", s_ptr="*u8",
                                                              qt_ptr="*u8", st_ptr="*u8"),
                               dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128, CODES_T_FROM_CODES=codes_t))
-    report["expand"] = build(Q.expand_kernel, dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16"), dict(UPCAST=False, BLK=128))
+    expand_ptrs = dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16", amax_a_ptr="*fp32", amax_b_ptr="*fp32", sched_ptr="*i32")
+    for scaled in (False, True):  # the columnwise values with the tensor scales (autograd.VALUES_WGRAD_KERNEL "cublas")
+        report["expand_scaled" if scaled else "expand"] = build(Q.expand_kernel, expand_ptrs,
+                                                                dict(UPCAST=False, BLK=128, TENSOR_SCALES=scaled))
     report.update(routed_build_report(build))
     return report
 
@@ -733,6 +817,7 @@ def _worker() -> None:
         "bench_baseline": check_bench_baseline("cpu"),
         "routed": check_routed_gemms("cpu"),
         "wgrad_steps": check_wgrad_steps("cpu"),
+        "library_wgrad": check_library_wgrad("cpu"),
         "mlp": {case[0]: run_mlp_case(case, "cpu") for case in MLP_CASES + [SR_CASE]},
     }
     print("RESULTS" + json.dumps(results))
@@ -816,6 +901,7 @@ def test_mlp_matches_reference_emulation(results, case):
                  f"{res['far'][name]:.3g} of its elements off and {res['fp64'][name]:.3g} vs FP64")
     for name, bad in res["nonzero"].items():
         assert bad == 0, (case[0], name, res["nonzero"])
+    assert res["library_wgrads"] == library_wgrads_expected(case[0], "cpu"), res["library_wgrads"]
 
 
 def test_mlp_with_stochastic_rounding(results):
@@ -846,6 +932,21 @@ def test_wgrad_half_slot_steps_match_slot_steps(results):
     assert r["empty_expert_zero"], r
     for name in ("half_slot", "half_slot_pointers", "slot", "packed_codes"):
         assert r[name]["bitwise"] and r[name]["rel_diff"] == 0.0, (name, r)
+
+
+def test_wgrad_on_library_folds_the_tensor_scales(results):
+    """cuBLAS's wgrad route: x's columnwise values carry each expert's two tensor scales (bitwise: one FP32 product,
+    one rounding), and dW stays within one BF16 rounding (2^-8 of dW's largest magnitude) of the FP64 product of the
+    dequantized operands, as the Triton kernel's does, plus what the rounding of x's scaled values may add (2^-8 of
+    each product's magnitude, summed); an empty expert's dW is zero."""
+    assert_library_wgrad(results["library_wgrad"])
+
+
+def assert_library_wgrad(r: dict) -> None:
+    """The bounds of :func:`check_library_wgrad`'s result (CPU and GPU tests)."""
+    assert r["scaled_values_bitwise"] and r["empty_expert_zero"], r
+    assert r["triton_err"] <= 2 ** -8 and r["lib_err"] <= 2 ** -8 + r["values_rounding_bound"], r
+    assert r["lib_vs_triton"] <= 2 ** -7 + r["values_rounding_bound"], r
 
 
 def test_every_size_runs_on_triton_and_auto_picks_it(results):

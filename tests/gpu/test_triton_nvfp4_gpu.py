@@ -69,14 +69,22 @@ def test_gemms_on_the_bf16_kernel_match_the_nvfp4_kernel_gpu():
 
 
 def test_wgrad_half_slot_steps_match_slot_steps_gpu():
-    """The BF16-valued wgrad at half a slot per step (opt-in: ``wgrad.VALUES_HALF_SLOT``) against a slot per step and
-    the packed-code K loop: the same dots in the same order, so bitwise equal on the GPU too, every element written."""
+    """The BF16-valued wgrad at half a slot per step (``wgrad.VALUES_HALF_SLOT``, the default since run 42) against a
+    slot per step and the packed-code K loop: the same dots in the same order, so bitwise equal on the GPU too, every
+    element written."""
     r = checks.check_wgrad_steps("cuda")
     print("NVFP4_WGRAD_STEPS", json.dumps(r))
     assert r["empty_expert_zero"], r
     for name in ("half_slot", "half_slot_pointers", "slot"):
         assert r[name]["bitwise"] and r[name]["rel_diff"] == 0.0, (name, r)
     assert r["packed_codes"]["rel_diff"] <= 1e-6, r  # wgmma on expanded registers: an order the build may change
+
+
+def test_wgrad_on_library_folds_the_tensor_scales_gpu():
+    """cuBLAS's wgrad route on the GPU (see the CPU test of the same name)."""
+    r = checks.check_library_wgrad("cuda")
+    print("NVFP4_LIBRARY_WGRAD", json.dumps(r))
+    checks.assert_library_wgrad(r)
 
 
 def test_stochastic_rounding_unbiased_on_gpu():
@@ -111,6 +119,11 @@ GPU_CASES = [
     ("geglu-ragged-ptr-kloop", 2048, 384, 256, 4, "geglu", True, True, "balanced", 3, True, False, ("x",), {}),
     # GPT-OSS's widths (2880 = 22.5 tiles): zero-padded operands, gate and up sharing w1's tile at 2880
     ("gptoss-2880-padded", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), {}),
+    # the wgrads on cuBLAS's grouped GEMM (autograd.VALUES_WGRAD_KERNEL = "cublas", the default since run 42; whatever
+    # the default), one at GPT-OSS's widths; and on NVFP4's Triton kernel
+    ("swiglu-zipf-cublaswgrad", 4096, 512, 256, 16, "swiglu", True, True, "zipf", 40, True, True, (), {}),
+    ("gptoss-2880-cublaswgrad", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), {}),
+    ("swiglu-zipf-tritonwgrad", 4096, 512, 256, 16, "swiglu", True, True, "zipf", 40, True, True, (), {}),
 ]
 
 
@@ -120,6 +133,7 @@ def test_mlp_matches_reference_emulation_gpu(case):
     print("NVFP4_MLP", case[0], json.dumps({k: res[k] for k in ("err", "far", "fp64")}))
     bound = GPU_BOUND if case[10] else HBF16_BOUND
     assert_within(case[0], res, bound, max(bound, 3e-2))
+    assert res["library_wgrads"] == checks.library_wgrads_expected(case[0], "cuda"), res["library_wgrads"]
 
 
 def test_mlp_with_stochastic_rounding_gpu():

@@ -42,21 +42,24 @@ import triton
 import triton.language as tl
 
 from ....quantize import hadamard
+from ..act_math import to_output
 from ..block_scaled_launch import copies_width
 from ..fp8_block.codec import nan_free_abs
 from ..fp8_block.quantize import WeightCache
 from ..grouped_gemm import interpreting
 from ..schedule import build_schedule, max_m_tiles, tile_rows, total_tiles
-from .codec import block_scale, e2m1_encode, e2m1_encode_stochastic, e2m1_expand_halves, pack_pairs, tensor_scales
+from .codec import (DEQUANT_FACTOR, block_scale, e2m1_encode, e2m1_encode_stochastic, e2m1_expand_halves, pack_pairs,
+                    tensor_scales)
 
 NV = 16  # elements per scale block
 TILE = 128  # schedule M tile
 QUANT_COLS = 64  # columns per quantize program
 # 16x16 weight tiles: the transposed copy's codes as the rowwise copy's codes transposed (True), or encoded again from
 # the transposed FP32 tile (False, runs 14-41); the same bytes either way (interpreter), and offline sm_90a half the
-# instructions (2416 against 4656) and registers (128 against 255). Off until it has run on the GPU: session 38 got no
-# device time, and run 14 saw a transposed tile's codes come out wrong on the GPU in some builds (activations)
-WEIGHT_CODES_TRANSPOSED = False
+# instructions (2416 against 4656) and registers (128 against 255). On since run 42 (H100, DSv3, Triton 3.6: the same
+# bytes on the GPU too, w1 7.60 -> 2.28 ms, w2 3.84 -> 1.17 ms); run 14 had seen a transposed tile's codes come out
+# wrong on the GPU in some builds (activations, older Triton), so the GPU tests compare both against the emulation
+WEIGHT_CODES_TRANSPOSED = True
 # TE's wgrad RHT sign vector as a bit mask (bit i set: sign i is negative)
 RHT_NEG_MASK = sum(1 << i for i, s in enumerate(hadamard.WGRAD_SIGNS) if s < 0)
 
@@ -322,10 +325,14 @@ def quantize_weight_kernel(
 
 @triton.jit
 def expand_kernel(q_ptr, stride_qe, stride_qr, s_ptr, stride_se, stride_sr, stride_sb, v_ptr, stride_ve, stride_vr,
-                  ROWS, UPCAST: tl.constexpr, BLK: tl.constexpr):
+                  ROWS, amax_a_ptr, amax_b_ptr, sched_ptr, NUM_GROUPS,
+                  UPCAST: tl.constexpr, BLK: tl.constexpr, TENSOR_SCALES: tl.constexpr = False):
     """One BLK x BLK tile of packed codes ``q[e]`` [ROWS, C/2] (scale codes ``s[e]`` [ROWS, C/16], any
     strides) as exact BF16 values ``v[e]`` [ROWS, C], each BLK-wide block of C stored even elements
-    first (the order of the GEMMs' split dots). Rows past ``ROWS`` are left alone."""
+    first (the order of the GEMMs' split dots). Rows past ``ROWS`` are left alone.
+
+    ``TENSOR_SCALES`` (columnwise copies: C runs over the schedule's tile slots): each slot's values times
+    its group's two tensor scales, ``amax_a[g] / 2688 * amax_b[g] / 2688``, in FP32 and rounded once to BF16."""
     e = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLK + tl.arange(0, BLK)
     pid_c = tl.program_id(2)
@@ -336,6 +343,12 @@ def expand_kernel(q_ptr, stride_qe, stride_qr, s_ptr, stride_se, stride_sr, stri
     cb = pid_c * (BLK // 16) + tl.arange(0, BLK // 16)
     sc = tl.load(s_ptr + e * stride_se + rows64 * stride_sr + cb[None, :] * stride_sb, mask=row_ok, other=0)
     even, odd = e2m1_expand_halves(packed, sc, BLK, BLK, UPCAST)
+    if TENSOR_SCALES:
+        # the slot's group from the tile -> group map (row 4 of the schedule); slots past the last tile -> padding
+        group = tl.minimum(tl.load(sched_ptr + 4 * NUM_GROUPS + pid_c), NUM_GROUPS - 1)
+        factor = (tl.load(amax_a_ptr + group) * DEQUANT_FACTOR) * (tl.load(amax_b_ptr + group) * DEQUANT_FACTOR)
+        even = to_output(even.to(tl.float32) * factor, tl.bfloat16, UPCAST)
+        odd = to_output(odd.to(tl.float32) * factor, tl.bfloat16, UPCAST)
     v = v_ptr + e * stride_ve + rows64 * stride_vr + pid_c * BLK + half
     tl.store(v, even.to(tl.bfloat16), mask=row_ok)
     tl.store(v + BLK // 2, odd.to(tl.bfloat16), mask=row_ok)
@@ -461,9 +474,12 @@ def quantize_weight(w: torch.Tensor, spec: NVSpec, *, transposed: bool = True, a
 
 
 def expand_values(data: torch.Tensor, scale: torch.Tensor, out: Optional[torch.Tensor] = None,
-                  alloc=torch.empty) -> torch.Tensor:
+                  alloc=torch.empty, tensor_scales: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                  ) -> torch.Tensor:
     """BF16 values (codes x E4M3 block scales, split order; see :func:`expand_kernel`) of packed
-    ``data`` [(E,) R, C/2] with scale codes ``scale`` [(E,) R, C/16] (any strides)."""
+    ``data`` [(E,) R, C/2] with scale codes ``scale`` [(E,) R, C/16] (any strides). ``tensor_scales =
+    (amax_a, amax_b, schedule)``: a columnwise copy's values (C over the schedule's slots) times both
+    amaxes' tensor scales of each slot's group, rounded once (``[E + 1]`` amaxes)."""
     squeeze = data.dim() == 2
     if squeeze:
         data, scale = data.unsqueeze(0), scale.unsqueeze(0)
@@ -471,6 +487,13 @@ def expand_values(data: torch.Tensor, scale: torch.Tensor, out: Optional[torch.T
     if data.stride(2) != 1 or scale.shape != (e, rows, 2 * packed // NV) or (2 * packed) % TILE:
         raise ValueError(f"data, scale: expected packed codes [(E,) R, C/2] (unit inner stride, C a multiple of "
                          f"{TILE}) and scales [(E,) R, C/16], got {tuple(data.shape)} and {tuple(scale.shape)}")
+    amax_a, amax_b, schedule = tensor_scales if tensor_scales is not None else (data, data, data)
+    num_groups = amax_a.numel()
+    if tensor_scales is not None and (e != 1 or amax_b.numel() != num_groups
+                                      or schedule.numel() < 4 * num_groups + 2 * packed // TILE):
+        raise ValueError(f"tensor_scales: expected two [E + 1] amaxes and the schedule of a columnwise copy's "
+                         f"{2 * packed // TILE} slots, got amaxes of {amax_a.numel()} and {amax_b.numel()}, a "
+                         f"schedule of {schedule.numel()}, for {e} matrices")
     if out is None:
         out = alloc((e, rows, 2 * packed), device=data.device, dtype=torch.bfloat16)
     elif squeeze:
@@ -478,17 +501,22 @@ def expand_values(data: torch.Tensor, scale: torch.Tensor, out: Optional[torch.T
     if data.numel():
         expand_kernel[(e, triton.cdiv(rows, TILE), 2 * packed // TILE)](
             data, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1), scale.stride(2),
-            out, out.stride(0), out.stride(1), rows, UPCAST=interpreting(), BLK=TILE,
+            out, out.stride(0), out.stride(1), rows, amax_a, amax_b, schedule, num_groups,
+            UPCAST=interpreting(), BLK=TILE, TENSOR_SCALES=tensor_scales is not None,
             num_warps=4 if interpreting() else 8)
     return out[0] if squeeze else out
 
 
-def with_values(q: NVRows, rowwise: bool = False, colwise: bool = False, alloc=torch.empty) -> NVRows:
+def with_values(q: NVRows, rowwise: bool = False, colwise: bool = False, alloc=torch.empty,
+                colwise_scaled_by: Optional[Tuple[NVRows, torch.Tensor]] = None) -> NVRows:
     """``q`` with the BF16 values of the asked copies filled in (a new object: the caller drops it, and
-    the transient values with it, after the GEMM that reads them)."""
+    the transient values with it, after the GEMM that reads them). ``colwise_scaled_by = (other, schedule)``:
+    the columnwise values times each group's tensor scales of ``q`` and of ``other`` (a wgrad's operands, for a
+    GEMM that takes no per-group factor: :func:`.wgrad.library_wgrad`)."""
     values = expand_values(q.data, q.scale, alloc=alloc) if rowwise else None
+    scales = (q.amax_t, colwise_scaled_by[0].amax_t, colwise_scaled_by[1]) if colwise_scaled_by else None
     # scale_t is [slots / 16, K]: seen transposed it is the [K, slots / 16] scales of data_t's rows
-    values_t = expand_values(q.data_t, q.scale_t.t(), alloc=alloc) if colwise else None
+    values_t = expand_values(q.data_t, q.scale_t.t(), alloc=alloc, tensor_scales=scales) if colwise else None
     return dataclasses.replace(q, values=values, values_t=values_t)
 
 
