@@ -983,7 +983,7 @@ def test_supports_every_nvfp4_option():
 
 
 def test_kernel_arguments_are_validated():
-    from te_fused_moe.backends.triton.nvfp4.quantize import NVSpec, quantize_rows, quantize_weight
+    from te_fused_moe.backends.triton.nvfp4.quantize import NVSpec, expand_values, quantize_rows, quantize_weight
 
     with pytest.raises(ValueError, match="x: the NVFP4 quantize kernels need a width that is a multiple of 128, got 96"):
         quantize_rows(torch.randn(4, 96), torch.zeros(20, dtype=torch.int32), 1, NVSpec())
@@ -996,6 +996,15 @@ def test_kernel_arguments_are_validated():
         quantize_weight(torch.randn(2, 96, 128), NVSpec())
     with pytest.raises(ValueError, match="w: expected a contiguous"):
         quantize_weight(torch.randn(2, 128, 128).transpose(1, 2), NVSpec())
+    # the columnwise values' tensor scales (cuBLAS's wgrad route): amaxes per group, a schedule covering the slots
+    codes, scales = torch.zeros(128, 128, dtype=torch.uint8), torch.zeros(128, 16, dtype=torch.uint8)
+    amax, schedule = torch.ones(3), torch.zeros(4 * 3 + 2, dtype=torch.int32)
+    for bad in ((amax, torch.ones(2), schedule), (amax, amax.double(), schedule), (amax, amax, schedule.float()),
+                (amax, amax, schedule[:13])):
+        with pytest.raises(ValueError, match=r"tensor_scales: expected two FP32 \[E \+ 1\] amaxes"):
+            expand_values(codes, scales, tensor_scales=bad)
+    with pytest.raises(ValueError, match="tensor_scales: .* for 2 matrices"):
+        expand_values(codes.expand(2, 128, 128), scales.expand(2, 128, 16), tensor_scales=(amax, amax, schedule))
 
 
 

@@ -487,13 +487,16 @@ def expand_values(data: torch.Tensor, scale: torch.Tensor, out: Optional[torch.T
     if data.stride(2) != 1 or scale.shape != (e, rows, 2 * packed // NV) or (2 * packed) % TILE:
         raise ValueError(f"data, scale: expected packed codes [(E,) R, C/2] (unit inner stride, C a multiple of "
                          f"{TILE}) and scales [(E,) R, C/16], got {tuple(data.shape)} and {tuple(scale.shape)}")
+    # without tensor scales the kernel reads none of these three pointers
     amax_a, amax_b, schedule = tensor_scales if tensor_scales is not None else (data, data, data)
     num_groups = amax_a.numel()
-    if tensor_scales is not None and (e != 1 or amax_b.numel() != num_groups
-                                      or schedule.numel() < 4 * num_groups + 2 * packed // TILE):
-        raise ValueError(f"tensor_scales: expected two [E + 1] amaxes and the schedule of a columnwise copy's "
-                         f"{2 * packed // TILE} slots, got amaxes of {amax_a.numel()} and {amax_b.numel()}, a "
-                         f"schedule of {schedule.numel()}, for {e} matrices")
+    if tensor_scales is not None and (
+            e != 1 or amax_b.numel() != num_groups or amax_a.dtype != torch.float32 or amax_b.dtype != torch.float32
+            or schedule.dtype != torch.int32 or schedule.numel() < 4 * num_groups + 2 * packed // TILE):
+        raise ValueError(f"tensor_scales: expected two FP32 [E + 1] amaxes and the int32 schedule of one columnwise "
+                         f"copy's {2 * packed // TILE} slots, got amaxes {amax_a.dtype} [{amax_a.numel()}] and "
+                         f"{amax_b.dtype} [{amax_b.numel()}], a {schedule.dtype} schedule of {schedule.numel()}, "
+                         f"for {e} matrices")
     if out is None:
         out = alloc((e, rows, 2 * packed), device=data.device, dtype=torch.bfloat16)
     elif squeeze:
@@ -512,7 +515,7 @@ def with_values(q: NVRows, rowwise: bool = False, colwise: bool = False, alloc=t
     """``q`` with the BF16 values of the asked copies filled in (a new object: the caller drops it, and
     the transient values with it, after the GEMM that reads them). ``colwise_scaled_by = (other, schedule)``:
     the columnwise values times each group's tensor scales of ``q`` and of ``other`` (a wgrad's operands, for a
-    GEMM that takes no per-group factor: :func:`.wgrad.library_wgrad`)."""
+    GEMM that takes no per-group factor: :func:`.autograd.weight_grad` on cuBLAS)."""
     values = expand_values(q.data, q.scale, alloc=alloc) if rowwise else None
     scales = (q.amax_t, colwise_scaled_by[0].amax_t, colwise_scaled_by[1]) if colwise_scaled_by else None
     # scale_t is [slots / 16, K]: seen transposed it is the [K, slots / 16] scales of data_t's rows
