@@ -4,7 +4,7 @@
 # $OUT; each step's exit code, seconds and wall-clock span in $OUT/times.txt (CLOCKS=1: the GPU's clocks in
 # $OUT/clocks.csv).
 #   usage: scripts/device_recipes.sh [fp8_tests] [mxfp8_tests] [nvfp4_tests] [wgmma_tests] [other_tests] [fp8_bench] [mxfp8_bench] [nvfp4_bench]
-#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [nv_probe] [bf16_tests] [mx_cublas_wgrad] [mx_profile] [mx_keep_values] [mx_expand_probe] [host_probe] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
+#          [mxfp8_weights_bench] [mxfp8_values] [ring_check] [ring_tests] [ring_debug] [ring_bisect] [mxfp8_exact] [mx_plain_probe] [mx_plain_bench] [mx_fc1_probe] [mx_fc1_bench] [mx_dglu_bench] [mx_wgrad_probe] [mx_wgrad_bench] [nv_probe] [bf16_tests] [nv_rht] [mx_cublas_wgrad] [mx_profile] [mx_keep_values] [mx_expand_probe] [host_probe] [mx_quantize_probe] [mx_dglu_probe] [dglu_bench] [prefetch_bench] [plain_probe] [wgrad_probe] [ptxas_tests] [ptxas_probe] [ptxas_bench] [padded_tests] [padded_bench] [padded_profile]
 # ptxas_*: the FP8 block GPU tests, the wgrad probe and the FP8 block benchmark under the CUDA toolkit's
 # ptxas (TE_FUSED_MOE_PTXAS=toolkit: FFMA yield hints interleaved), the probe and bench against Triton's
 # own in the same call (the bench in separate processes, toolkit / triton / toolkit / triton). The probe
@@ -54,7 +54,9 @@
 # nv_probe: NVFP4's two BF16-valued wgrads at DSv3 at a slot and half a slot per step and a few variants, against the
 # packed-code K loop and cuBLAS on the same values (scripts/probe_nv_wgrad.py); then its weight refresh with the
 # transposed copy's codes transposed or encoded again (scripts/probe_nv_refresh.py). bf16_tests: the BF16 backend's GPU
-# tests (tests/gpu/test_triton_gpu.py, test_triton_persistent_gpu.py).
+# tests (tests/gpu/test_triton_gpu.py, test_triton_persistent_gpu.py). nv_rht: NVFP4's quantize kernels (their
+# BF16-input RHT on tensor cores among them, quantize.RHT_TENSOR_CORES), its MLP cases with it and the default
+# swiglu-x16 case, then the MLP at DSv3 with and without it (interleaved rounds, no kernel table).
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
 # mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
@@ -200,6 +202,11 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                 --out "$OUT/probe_nv_refresh";;
     bf16_tests) step pytest_bf16 "${BF16_TESTS_TIMEOUT:-300}" python -m pytest -m gpu -q -p no:cacheprovider \
                   tests/gpu/test_triton_gpu.py tests/gpu/test_triton_persistent_gpu.py;;
+    nv_rht) step pytest_nv_rht "${NVFP4_TESTS_TIMEOUT:-200}" python -m pytest -m gpu -v -p no:cacheprovider \
+              tests/gpu/test_triton_nvfp4_gpu.py -k "quantize_kernels or rhtmma or swiglu-x16"
+            step recipes_nv_rht "${NVFP4_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes nvfp4 \
+              --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations nvfp4_fused,nvfp4_fused_rht_mma \
+              --out "$OUT/recipes_nv_rht";;
     mx_wgrad_probe) step probe_mx_wgrad "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_wgrad.py --out "$OUT/probe_mx_wgrad";;
     mx_fc1_probe) step probe_mx_fc1 "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_fc1.py --out "$OUT/probe_mx_fc1";;
     mx_dglu_probe) step probe_mx_dglu "${PROBE_TIMEOUT:-150}" python scripts/probe_mx_dglu.py --out "$OUT/probe_mx_dglu";;

@@ -364,7 +364,9 @@ VARIANTS = {"fp8_block": {"fp8_block_fused_fp32_epilogue_input": _fused_under("f
                       "nvfp4_fused_slot_wgrad": _fused_under("nvfp4", wgrad=dict(VALUES_HALF_SLOT=False)),
                       # the wgrads on NVFP4's Triton kernel (before run 42: since then on cuBLAS, x's and a's values
                       # carrying the tensor scales, autograd.VALUES_WGRAD_KERNEL)
-                      "nvfp4_fused_triton_wgrad": _fused_under("nvfp4", autograd=dict(VALUES_WGRAD_KERNEL="triton"))}}
+                      "nvfp4_fused_triton_wgrad": _fused_under("nvfp4", autograd=dict(VALUES_WGRAD_KERNEL="triton")),
+                      # x's and dy's RHT on BF16 tensor cores (opt-in: quantize.RHT_TENSOR_CORES)
+                      "nvfp4_fused_rht_mma": _fused_under("nvfp4", quantize=dict(RHT_TENSOR_CORES=True))}}
 for _variants in VARIANTS.values():
     IMPLEMENTATIONS.update(_variants)
 # Opt-in (--with-scaled-grouped-mm): unpadded, this baseline's wgrad tripped a device-side assert in

@@ -75,7 +75,7 @@ def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int, maxnreg=None
 def analyze(k) -> dict:
     """A compiled kernel's stack (spill) bytes, its registers per thread, its SASS instruction count, its
     IEEE division slow-path checks (``fchk``) and FP32 -> FP8x2 conversions (``f2fp``), its proxy fences
-    (``fence_async``), its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma counts, how many FP8 wgmmas share
+    (``fence_async``), its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma counts, its warp-level 16-bit MMAs (``hmma``: mma.sync), how many FP8 wgmmas share
     a commit group with the next one (``qgmma_grouped``: 0 when ptxas serialised them) and the waits that
     leave one group in flight (``wait_le1``), its dynamic shared memory bytes and, when it has wgmma,
     whether its K loop was found and the spill loads/stores inside it; the scalar int32 loads in its TTGIR."""
@@ -91,7 +91,8 @@ def analyze(k) -> dict:
                                  text=True, check=True).stdout
     out = {"stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
            "registers": int(re.search(r"REG:(\d+)", usage).group(1)), "qgmma": sum("QGMMA" in l for l in sass),
-           "hgmma": sum("HGMMA" in l for l in sass), "shared": k.metadata.shared,
+           "hgmma": sum("HGMMA" in l for l in sass), "hmma": sum("HMMA" in l for l in sass),
+           "shared": k.metadata.shared,
            "qgmma_grouped": sum("QGMMA" in l and "gsb0" not in l for l in sass),
            "instructions": sum(bool(re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?[A-Z]", l)) for l in sass),
            "fchk": sum("FCHK" in l for l in sass), "f2fp": sum("F2FP" in l for l in sass),

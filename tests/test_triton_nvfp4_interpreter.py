@@ -88,10 +88,16 @@ MLP_CASES = [
     # the wgrads on torch._grouped_mm (on CPU its fallback, through the same path), one at a size off the tile
     ("swiglu-ragged-rht-cublaswgrad", 300, 256, 128, 3, "swiglu", True, True, [100, 0, 163], 37, True, True, (), {}),
     ("padded-gptoss-cublaswgrad", 150, 200, 72, 2, "gpt_oss_swiglu", True, True, [60, 83], 7, True, True, (), {}),
+    # x's and dy's RHT on BF16 tensor cores (quantize.RHT_TENSOR_CORES; the interpreter runs its dot in FP32)
+    ("swiglu-ragged-rhtmma", 300, 256, 128, 3, "swiglu", True, True, [100, 37, 163], 0, True, True, (), {}),
 ]
 # module flags of nvfp4.autograd that a case id's suffix sets for that case
 CASE_FLAGS = {"-bf16w": {"BF16_WEIGHT_VALUES": True}, "-kloop": {"EXPAND_BEFORE_GEMM": False},
               "-cublaswgrad": {"VALUES_WGRAD_KERNEL": "cublas"}, "-tritonwgrad": {"VALUES_WGRAD_KERNEL": "triton"}}
+
+
+# flags of nvfp4.quantize that a case id's suffix sets for that case
+QUANTIZE_CASE_FLAGS = {"-rhtmma": {"RHT_TENSOR_CORES": True}}
 
 
 def case_flags(case_id: str) -> dict:
@@ -292,24 +298,30 @@ def check_quantize_kernels(device: str) -> dict:
     rand[9] = 0.0
     rand[150, 3] = 1e-30
     slots = TILE * max_m_tiles(T, len(counts), TILE)
-    for name, x, spec, stochastic_bits in (
-            ("rht_ints_bf16", ints.to(torch.bfloat16), NVSpec(rht=True), False),
-            ("rht_ints_fp32", ints, NVSpec(rht=True), False),
-            ("no_rht_random_nan_inf", rand, NVSpec(rht=False), False),
-            ("sr_rht_given_bits", ints, NVSpec(stochastic=True, rht=True), True),
-            ("sr_no_rht_given_bits", rand.to(torch.bfloat16), NVSpec(stochastic=True, rht=False), True),
+    from te_fused_moe.backends.triton.nvfp4 import quantize as Q
+
+    # (name, x, spec, stochastic bits given, quantize.RHT_TENSOR_CORES: BF16 inputs' RHT on tensor cores)
+    for name, x, spec, stochastic_bits, rht_mma in (
+            ("rht_ints_bf16", ints.to(torch.bfloat16), NVSpec(rht=True), False, False),
+            ("rht_ints_fp32", ints, NVSpec(rht=True), False, False),
+            ("no_rht_random_nan_inf", rand, NVSpec(rht=False), False, False),
+            ("sr_rht_given_bits", ints, NVSpec(stochastic=True, rht=True), True, False),
+            ("sr_no_rht_given_bits", rand.to(torch.bfloat16), NVSpec(stochastic=True, rht=False), True, False),
             # the columnwise copy alone (a gradient whose rowwise copy nobody needs): its own kernel build,
             # which on the H200 once gave wrong codes where the two-copy build did not (run 14d)
-            ("colwise_only_rht", ints, NVSpec(rht=True), False)):
+            ("colwise_only_rht", ints, NVSpec(rht=True), False, False),
+            ("rht_ints_bf16_mma", ints.to(torch.bfloat16), NVSpec(rht=True), False, True),
+            ("sr_rht_given_bits_bf16_mma", ints.to(torch.bfloat16), NVSpec(stochastic=True, rht=True), True, True),
+            ("colwise_only_rht_bf16_mma", ints.to(torch.bfloat16), NVSpec(rht=True), False, True)):
         bits = (torch.randint(0, 256, (T, K), generator=g, dtype=torch.uint8),
                 torch.randint(0, 256, (slots, K), generator=g, dtype=torch.uint8)) if stochastic_bits else None
         xd = x.to(device)
-        q = quantize_rows(xd, sched, len(counts), spec, rowwise=not name.startswith("colwise_only"), colwise=True,
-                          random_bits=tuple(b.to(device) for b in bits) if bits else None)
+        with _module_flags(Q.__name__, dict(RHT_TENSOR_CORES=rht_mma)):
+            q = quantize_rows(xd, sched, len(counts), spec, rowwise=not name.startswith("colwise_only"), colwise=True,
+                              random_bits=tuple(b.to(device) for b in bits) if bits else None)
         out[name] = {**_rows_mismatches(q, x, counts, spec, bits), **_values_mismatches(q, counts)}
     w = torch.randn(2, 256, 384, generator=g)
     w[1, 17, 200] = 40.0  # one tile's outlier
-    from te_fused_moe.backends.triton.nvfp4 import quantize as Q
 
     # 16x16 tiles with the transposed copy's codes encoded again and taken from the rowwise codes, and 1x16 blocks
     for label, block_2d, codes_t in (("2d_True", True, False), ("2d_True_codes_t", True, True),
@@ -466,7 +478,7 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     from moe_reference import poison_, random_problem
 
     from te_fused_moe.backends.triton import library_wgrad
-    from te_fused_moe.backends.triton.nvfp4 import autograd, gemm
+    from te_fused_moe.backends.triton.nvfp4 import autograd, gemm, quantize
     from te_fused_moe.recipes import NVFP4BlockScaling
 
     _, T, H, F, E, act, bias, probs, counts, padding, h_fp32, tma, frozen, options = case
@@ -484,7 +496,10 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     library_flags = dict(values_wgrad=lambda *args: calls.append(1) or values_wgrad(*args))
     if case[0].endswith("-cublaswgrad") and device == "cpu":
         library_flags["runs_on"] = lambda like: True
-    with _module_flags(autograd.__name__, flags), _module_flags(library_wgrad.__name__, library_flags):
+    quantize_flags = {name: value for suffix, named in QUANTIZE_CASE_FLAGS.items() if case[0].endswith(suffix)
+                      for name, value in named.items()}
+    with _module_flags(autograd.__name__, flags), _module_flags(library_wgrad.__name__, library_flags), \
+            _module_flags(quantize.__name__, quantize_flags):
         res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
     res["seed"], res["library_wgrads"] = seed, len(calls)  # wgrads that ran on torch._grouped_mm
     return res
@@ -750,16 +765,20 @@ def sm90_build_report() -> dict:
             dict(USE_TMA=True, UPCAST=False, BF16=bf16, BN=wc.block_n, BK=wc.block_k, BT=128, GROUP_N=wc.group_n,
                  HALF_STEPS=wc.block_t == W.HALF_SLOT),
             wc.num_warps, wc.num_stages)
-    report["amax_rht"] = build(Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32",
-                                                         sched_ptr="*i32"),
-                               dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
-    for sr in (False, True):
-        report[f"quantize_rht_sr{int(sr)}"] = build(
-            Q.quantize_tiles_kernel, dict(x_ptr="*fp32", q_ptr="*u8", qs_ptr="*u8", amax_ptr="*fp32", qt_ptr="*u8",
+    # the RHT by FP32 FMAs and (BF16 inputs, quantize.RHT_TENSOR_CORES) on tensor cores
+    for mma in (False, True):
+        report["amax_rht_mma" if mma else "amax_rht"] = build(
+            Q.group_amax_kernel, dict(x_ptr="*bf16", amax_ptr="*fp32", amax_t_ptr="*fp32", sched_ptr="*i32"),
+            dict(RHT_AMAX=True, NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS, RHT_MMA=mma, UPCAST=False))
+    for sr, x_type, mma in ((False, "fp32", False), (True, "fp32", False), (False, "bf16", False),
+                            (True, "bf16", False), (False, "bf16", True), (True, "bf16", True)):
+        label = f"quantize_rht_sr{int(sr)}" + ("" if x_type == "fp32" else "_bf16") + ("_mma" if mma else "")
+        report[label] = build(
+            Q.quantize_tiles_kernel, dict(x_ptr=f"*{x_type}", q_ptr="*u8", qs_ptr="*u8", amax_ptr="*fp32", qt_ptr="*u8",
                                           qts_ptr="*u8", amax_t_ptr="*fp32", colsum_ptr="*fp32", seed_ptr="*i32",
                                           bits_ptr="*u8", bits_t_ptr="*u8", sched_ptr="*i32"),
             dict(ROWWISE=True, COLWISE=True, COLSUM=True, RHT=True, STOCHASTIC=sr, GIVEN_BITS=False,
-                 NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS))
+                 NEG_MASK=Q.RHT_NEG_MASK, BM=128, BK=Q.QUANT_COLS, RHT_MMA=mma, UPCAST=False))
     report["quantize_weight_1d"] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8",
                                                                         s_ptr="*u8", qt_ptr="*u8", st_ptr="*u8"),
                                          dict(TRANSPOSED=True, BLOCK_2D=False, BLK=128))
@@ -853,6 +872,14 @@ def test_kernels_build_for_sm90a_without_k_loop_spills():
     # the transposed weight copy's codes from the rowwise ones: the tile is encoded once
     codes_t, twice = report["quantize_weight_2d_codes_t"], report["quantize_weight_2d"]
     assert codes_t["instructions"] < 0.7 * twice["instructions"], (codes_t, twice)
+    # BF16 inputs' RHT on tensor cores (quantize.RHT_TENSOR_CORES): mma.sync in place of the FMA chain, fewer
+    # instructions and registers (the amax pass about half)
+    for mma, fma in (("amax_rht_mma", "amax_rht"), ("quantize_rht_sr0_bf16_mma", "quantize_rht_sr0_bf16"),
+                     ("quantize_rht_sr1_bf16_mma", "quantize_rht_sr1_bf16")):
+        assert report[mma]["hmma"] > 0 and report[fma]["hmma"] == 0, (report[mma], report[fma])
+        assert report[mma]["instructions"] < report[fma]["instructions"], (report[mma], report[fma])
+        assert report[mma]["registers"] < report[fma]["registers"], (report[mma], report[fma])
+    assert report["amax_rht_mma"]["instructions"] < 0.7 * report["amax_rht"]["instructions"], report["amax_rht_mma"]
 
 
 def test_codec_is_bit_exact(results):
@@ -862,7 +889,7 @@ def test_codec_is_bit_exact(results):
 
 
 def test_quantize_kernels_are_bit_exact(results):
-    assert len(results["quantize"]) == 9
+    assert len(results["quantize"]) == 12
     for key, bad in results["quantize"].items():
         assert all(v == 0 for v in bad.values()), (key, bad)
 

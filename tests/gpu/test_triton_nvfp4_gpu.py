@@ -124,6 +124,9 @@ GPU_CASES = [
     ("swiglu-zipf-cublaswgrad", 4096, 512, 256, 16, "swiglu", True, True, "zipf", 40, True, True, (), {}),
     ("gptoss-2880-cublaswgrad", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), {}),
     ("swiglu-zipf-tritonwgrad", 4096, 512, 256, 16, "swiglu", True, True, "zipf", 40, True, True, (), {}),
+    # x's and dy's RHT on BF16 tensor cores (quantize.RHT_TENSOR_CORES, opt-in)
+    ("swiglu-zipf-rhtmma", 4096, 512, 256, 16, "swiglu", True, True, "zipf", 40, True, True, (), {}),
+    ("gptoss-2880-rhtmma", 4096, 2880, 2880, 8, "gpt_oss_swiglu", True, True, "zipf", 31, True, True, (), {}),
 ]
 
 

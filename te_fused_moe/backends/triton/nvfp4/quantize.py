@@ -60,6 +60,12 @@ QUANT_COLS = 64  # columns per quantize program
 # bytes on the GPU too, w1 7.60 -> 2.28 ms, w2 3.84 -> 1.17 ms); run 14 had seen a transposed tile's codes come out
 # wrong on the GPU in some builds (activations, older Triton), so the GPU tests compare both against the emulation
 WEIGHT_CODES_TRANSPOSED = True
+# The Hadamard transform of BF16 inputs (x, dy) on BF16 tensor cores (mma.sync: exact products, FP32 sums) instead of
+# FP32 FMAs; FP32 inputs (a, dh) keep the FMAs (their values would round to BF16). Offline sm_90a at 128 x 64 tiles and
+# 8 warps: the RHT amax pass 1160 -> 632 instructions per thread and 163 -> 46 registers; x's quantize pass 3096 -> 2824
+# and 169 -> 96 (dy's, with stochastic rounding, 4152 -> 4080 and 177 -> 128). Opt-in until it has run on a GPU: the
+# tensor cores' FP32 sums may round differently from the FMA chain's (bit-exact on data whose sums are exact).
+RHT_TENSOR_CORES = False
 # TE's wgrad RHT sign vector as a bit mask (bit i set: sign i is negative)
 RHT_NEG_MASK = sum(1 << i for i, s in enumerate(hadamard.WGRAD_SIGNS) if s < 0)
 
@@ -115,17 +121,28 @@ class NVWeight:
 # ----------------------------------------------------------------------------- device functions
 
 @triton.jit
-def rht_along_rows(v, BM: tl.constexpr, BK: tl.constexpr, NEG_MASK: tl.constexpr):
+def rht_along_rows(v, BM: tl.constexpr, BK: tl.constexpr, NEG_MASK: tl.constexpr, BF16_MMA: tl.constexpr = False,
+                   UPCAST: tl.constexpr = False):
     """Each run of 16 rows of FP32 ``v`` [BM, BK] times TE's RHT matrix ``M = diag(s) H16 / 4``
     (``out[16 g + j] = sum_i M[i, j] v[16 g + i]``): exact products (entries +-1/4), FP32 sums (the
-    IEEE path; TF32 tensor cores gave codes that differed from the reference on the H200, run 14)."""
+    IEEE path; TF32 tensor cores gave codes that differed from the reference on the H200, run 14).
+    ``BF16_MMA`` (``v`` holds BF16 values: x, dy): the same exact products on BF16 tensor cores, FP32 sums
+    (``UPCAST``, the interpreter, whose dot multiplies BF16 bit patterns: the BF16 operands as FP32)."""
     i = tl.arange(0, 16)[None, :]
     j = tl.arange(0, 16)[:, None]
     x = i & j
     parity = (x ^ (x >> 1) ^ (x >> 2) ^ (x >> 3)) & 1
     m_t = tl.where((parity ^ ((NEG_MASK >> i) & 1)) == 1, -0.25, 0.25)  # [j, i] = M[i, j]
     lhs = tl.broadcast_to(m_t[None, :, :], (BM // 16, 16, 16))
-    out = tl.dot(lhs, tl.reshape(v, (BM // 16, 16, BK)), input_precision="ieee")
+    blocks = tl.reshape(v, (BM // 16, 16, BK))
+    if BF16_MMA:
+        if UPCAST:
+            out = tl.dot(lhs.to(tl.bfloat16).to(tl.float32), blocks.to(tl.bfloat16).to(tl.float32),
+                         input_precision="ieee")
+        else:
+            out = tl.dot(lhs.to(tl.bfloat16), blocks.to(tl.bfloat16))
+    else:
+        out = tl.dot(lhs, blocks, input_precision="ieee")
     return tl.reshape(out, (BM, BK))
 
 
@@ -191,6 +208,7 @@ def quantize_tiles_2d(v, s_enc, s_dec, BM: tl.constexpr, BK: tl.constexpr):
 def group_amax_kernel(
     x_ptr, stride_xm, amax_ptr, amax_t_ptr, sched_ptr, X_COLS, NUM_GROUPS,
     RHT_AMAX: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    RHT_MMA: tl.constexpr = False, UPCAST: tl.constexpr = False,
 ):
     """Per (schedule tile, ``BK`` columns): the tile's NaN-ignoring max |x| into its group's ``amax``
     and, with ``RHT_AMAX``, that of its Hadamard transform along the tokens into ``amax_t`` (x's
@@ -206,7 +224,7 @@ def group_amax_kernel(
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.atomic_max(amax_ptr + group, tl.max(tl.max(nan_free_abs(x), axis=1), axis=0))
     if RHT_AMAX:
-        t = rht_along_rows(x, BM, BK, NEG_MASK)
+        t = rht_along_rows(x, BM, BK, NEG_MASK, RHT_MMA, UPCAST)
         tl.atomic_max(amax_t_ptr + group, tl.max(tl.max(nan_free_abs(t), axis=1), axis=0))
 
 
@@ -220,6 +238,7 @@ def quantize_tiles_kernel(
     sched_ptr, K, X_COLS, NUM_GROUPS,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, COLSUM: tl.constexpr, RHT: tl.constexpr,
     STOCHASTIC: tl.constexpr, GIVEN_BITS: tl.constexpr, NEG_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    RHT_MMA: tl.constexpr = False, UPCAST: tl.constexpr = False,
 ):
     """One program per (schedule M tile, ``BK`` columns): 1x16 rowwise blocks and, with ``COLWISE``,
     16-token blocks inside the tile (Hadamard-transformed with ``RHT``), each with its group's tensor
@@ -255,7 +274,7 @@ def quantize_tiles_kernel(
         tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
     if COLWISE:
         if RHT:
-            x = rht_along_rows(x, BM, BK, NEG_MASK)  # rows past the group's end are zeros: so is their padding
+            x = rht_along_rows(x, BM, BK, NEG_MASK, RHT_MMA, UPCAST)  # rows past the group's end are zeros: so is their padding
         bits_t = tl.zeros((BM, BK), tl.int32)
         if STOCHASTIC:
             if GIVEN_BITS:
@@ -411,8 +430,10 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     if colwise and not spec.rht:
         q.amax_t = amax  # the same values quantized along the other axis: the same tensor amax
     rht_amax = colwise and spec.rht
+    rht_mma = RHT_TENSOR_CORES and x.dtype == torch.bfloat16
     group_amax_kernel[grid](x, x.stride(0), amax, q.amax_t if rht_amax else amax, schedule, x_cols, num_experts + 1,
-                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps)
+                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, RHT_MMA=rht_mma,
+                            UPCAST=interpreting(), num_warps=warps)
     dummy = x.view(torch.uint8) if x.is_contiguous() else amax
     given = random_bits is not None
     seed = new_seed(x.device) if spec.stochastic and not given else amax
@@ -427,7 +448,8 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         seed, bits, bits.stride(0) if given else 0, bits_t, bits_t.stride(0) if given else 0,
         schedule, k, x_cols, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, RHT=spec.rht, STOCHASTIC=spec.stochastic,
-        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=warps,
+        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, RHT_MMA=rht_mma,
+        UPCAST=interpreting(), num_warps=warps,
     )
     return q
 
