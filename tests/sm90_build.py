@@ -40,6 +40,16 @@ def _signature(fn, types: dict, consts: dict):
     return sig, attrs
 
 
+def with_constexpr_defaults(fn, consts: dict) -> dict:
+    """``consts`` plus the defaults of ``fn``'s constexpr parameters it leaves out: a launch gets those defaults,
+    but a build from :class:`ASTSource` would otherwise take them as i32 arguments and compile every branch on them."""
+    import inspect
+
+    defaults = {p.name: p.default for p in fn.params
+                if p.is_constexpr and p.default is not inspect.Parameter.empty and p.name not in consts}
+    return {**defaults, **consts}
+
+
 def _options(maxnreg, **options) -> dict:
     """Compile options, with the launch register cap ``maxnreg`` where one is given."""
     return options if maxnreg is None else dict(options, maxnreg=maxnreg)
@@ -52,6 +62,7 @@ def build_sm90(fn, types: dict, consts: dict, num_warps: int = 8, num_stages: in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    consts = with_constexpr_defaults(fn, consts)
     sig, attrs = _signature(fn, types, consts)
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options=_options(maxnreg, num_warps=num_warps, num_stages=num_stages))
@@ -66,6 +77,7 @@ def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int, maxnreg=None
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    consts = with_constexpr_defaults(fn, consts)
     sig, attrs = _signature(fn, types, dict(consts, num_warps=num_warps))
     k = triton.compile(GluonASTSource(fn, sig, dict(consts, num_warps=num_warps), attrs),
                        target=GPUTarget("cuda", 90, 32), options=_options(maxnreg, num_warps=num_warps))
