@@ -56,7 +56,8 @@
 # transposed copy's codes transposed or encoded again (scripts/probe_nv_refresh.py). bf16_tests: the BF16 backend's GPU
 # tests (tests/gpu/test_triton_gpu.py, test_triton_persistent_gpu.py). nv_rht: NVFP4's quantize kernels (their
 # BF16-input RHT on tensor cores among them, quantize.RHT_TENSOR_CORES), its MLP cases with it and the default
-# swiglu-x16 case, then the MLP at DSv3 with and without it (interleaved rounds, no kernel table).
+# swiglu-x16 case, x's and dy's quantize and amax passes at DSv3 both ways (scripts/probe_nv_rht.py), then the MLP at
+# DSv3 with and without it (interleaved rounds, no kernel table).
 # mx_dglu_probe: MXFP8's separate dGLU at DSv3, its GEMM alone and with each epilogue kernel and config, then
 # fused on the BF16 backend's kernel with its quantizing store of dh at a few configs (scripts/probe_mx_dglu.py).
 # mx_dglu_bench: the MXFP8 MLP at DSv3, fused with the separate dGLU (shipped) and with the dGLU on the BF16
@@ -205,6 +206,7 @@ sys.exit(pytest.main(['-m', 'gpu', '-q', '-p', 'no:cacheprovider', 'tests/gpu/te
                   tests/gpu/test_triton_gpu.py tests/gpu/test_triton_persistent_gpu.py;;
     nv_rht) step pytest_nv_rht "${NVFP4_TESTS_TIMEOUT:-200}" python -m pytest -m gpu -v -p no:cacheprovider \
               tests/gpu/test_triton_nvfp4_gpu.py -k "quantize_kernels or rhtmma or swiglu-x16"
+            step probe_nv_rht "${PROBE_TIMEOUT:-150}" python scripts/probe_nv_rht.py --out "$OUT/probe_nv_rht"
             step recipes_nv_rht "${NVFP4_BENCH_TIMEOUT:-170}" python scripts/bench_recipes.py --recipes nvfp4 \
               --shapes dsv3-e32 --no-kernels --rounds "${ROUNDS:-3}" --implementations nvfp4_fused,nvfp4_fused_rht_mma \
               --out "$OUT/recipes_nv_rht";;

@@ -402,6 +402,22 @@ def new_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (2,), device=device, dtype=torch.int64).to(torch.int32)
 
 
+def rht_on_tensor_cores(x: torch.Tensor) -> bool:
+    """Whether ``x``'s RHT runs on BF16 tensor cores (:data:`RHT_TENSOR_CORES`, BF16 inputs only)."""
+    return RHT_TENSOR_CORES and x.dtype == torch.bfloat16
+
+
+def group_amaxes(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, amax: torch.Tensor,
+                 amax_t: torch.Tensor, rht: bool, width: int) -> None:
+    """The amax pass of ``x [T, K]``: each schedule group's NaN-ignoring max |x| into ``amax`` and, with ``rht``, that
+    of x's Hadamard transform along the tokens into ``amax_t`` (``[E + 1]`` FP32, zero before; the same tensor as
+    ``amax`` without ``rht``). ``width`` (>= K): the copies' width, x's columns zero-padded to it."""
+    grid = (max_m_tiles(x.shape[0], num_experts, TILE), width // QUANT_COLS)
+    group_amax_kernel[grid](x, x.stride(0), amax, amax_t, schedule, x.shape[1], num_experts + 1, RHT_AMAX=rht,
+                            NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, RHT_MMA=rht_on_tensor_cores(x),
+                            UPCAST=interpreting(), num_warps=4 if interpreting() else 8)
+
+
 def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spec: NVSpec, *, rowwise: bool = True,
                   colwise: bool = False, alloc=torch.empty, col_sums: Optional[torch.Tensor] = None,
                   random_bits: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
@@ -430,10 +446,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
     if colwise and not spec.rht:
         q.amax_t = amax  # the same values quantized along the other axis: the same tensor amax
     rht_amax = colwise and spec.rht
-    rht_mma = RHT_TENSOR_CORES and x.dtype == torch.bfloat16
-    group_amax_kernel[grid](x, x.stride(0), amax, q.amax_t if rht_amax else amax, schedule, x_cols, num_experts + 1,
-                            RHT_AMAX=rht_amax, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, RHT_MMA=rht_mma,
-                            UPCAST=interpreting(), num_warps=warps)
+    group_amaxes(x, schedule, num_experts, amax, q.amax_t if rht_amax else amax, rht_amax, k)
     dummy = x.view(torch.uint8) if x.is_contiguous() else amax
     given = random_bits is not None
     seed = new_seed(x.device) if spec.stochastic and not given else amax
@@ -448,7 +461,7 @@ def quantize_rows(x: torch.Tensor, schedule: torch.Tensor, num_experts: int, spe
         seed, bits, bits.stride(0) if given else 0, bits_t, bits_t.stride(0) if given else 0,
         schedule, k, x_cols, num_experts + 1,
         ROWWISE=rowwise, COLWISE=colwise, COLSUM=col_sums is not None, RHT=spec.rht, STOCHASTIC=spec.stochastic,
-        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, RHT_MMA=rht_mma,
+        GIVEN_BITS=given, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, RHT_MMA=rht_on_tensor_cores(x),
         UPCAST=interpreting(), num_warps=warps,
     )
     return q
