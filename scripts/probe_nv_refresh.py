@@ -11,7 +11,7 @@ twice: amax and quantize).
 from __future__ import annotations
 
 from mx_probe_problem import EXPERTS, FFN, HIDDEN
-from probe_results import run_and_save, timed_in_rounds
+from probe_results import add_bandwidth, run_and_save, timed_in_rounds
 
 ROUNDS = 3
 
@@ -37,11 +37,8 @@ def run() -> dict:
         a, b = fns["codes_transposed"](), fns["encoded_twice"]()
         same = all(torch.equal(x, y) for x, y in ((a.data, b.data), (a.scale, b.scale), (a.data_t, b.data_t),
                                                    (a.scale_t, b.scale_t), (a.amax, b.amax)))
-        entry = {"same_bytes": same, **timed_in_rounds(fns, ROUNDS)}
-        for label in fns:
-            if "ms" in entry[label]:
-                reads = 1 if label == "amax_pass" else 2
-                entry[label]["GBps"] = round(reads * w.numel() * 2 / entry[label]["ms"] / 1e6, 1)
+        entry = add_bandwidth({"same_bytes": same, **timed_in_rounds(fns, ROUNDS)},
+                              lambda label: (1 if label == "amax_pass" else 2) * w.numel() * 2)
         out[name] = entry
         print(name, entry, flush=True)
     return out

@@ -11,7 +11,7 @@ and GB/s (the input read twice: amax and quantize).
 from __future__ import annotations
 
 from mx_probe_problem import EXPERTS, HIDDEN, ROUTED
-from probe_results import run_and_save, timed_in_rounds
+from probe_results import add_bandwidth, run_and_save, timed_in_rounds
 
 ROUNDS = 3
 
@@ -61,11 +61,8 @@ def run() -> dict:
             b = fns["tensor_cores"]()
         else:
             a, b = fns["fma"](), fns["tensor_cores"]()
-        entry = {"bytes_differing": _differing(a, b, ROUTED), **timed_in_rounds(fns, ROUNDS)}  # 1024 a slot
-        for label in fns:
-            if "ms" in entry[label]:
-                reads = 1 if label.startswith("amax") else 2
-                entry[label]["GBps"] = round(reads * t.numel() * 2 / entry[label]["ms"] / 1e6, 1)
+        entry = add_bandwidth({"bytes_differing": _differing(a, b, ROUTED), **timed_in_rounds(fns, ROUNDS)},
+                              lambda label: (1 if label.startswith("amax") else 2) * t.numel() * 2)
         out[name] = entry
         print(name, entry, flush=True)
     return out

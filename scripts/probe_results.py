@@ -46,3 +46,12 @@ def timed_in_rounds(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[s
         if label not in out:
             out[label] = {"ms": round(statistics.median(ts), 4), "rounds_ms": [round(t, 4) for t in ts]}
     return out
+
+
+def add_bandwidth(entry: Dict[str, dict], nbytes: Callable[[str], float]) -> Dict[str, dict]:
+    """Each timed label's GB/s (``nbytes(label)``: the bytes one call moves) next to its ms in ``entry`` (labels
+    that failed or are not timings are left as they are)."""
+    for label, timing in entry.items():
+        if isinstance(timing, dict) and "ms" in timing:
+            timing["GBps"] = round(nbytes(label) / timing["ms"] / 1e6, 1)
+    return entry
