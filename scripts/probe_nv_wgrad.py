@@ -35,6 +35,7 @@ def run() -> dict:
     from te_fused_moe.backends.triton import library_wgrad
     from te_fused_moe.backends.triton.nvfp4 import autograd as A, quantize as Q, wgrad as W
     from te_fused_moe.backends.triton.schedule import build_schedule
+    from te_fused_moe.bench_recipes import _call_under
     from te_fused_moe.recipes import NVFP4BlockScaling
 
     torch.manual_seed(0)
@@ -43,8 +44,6 @@ def run() -> dict:
     spec, grad_spec, _ = A.specs_of(NVFP4BlockScaling())
     out = {"shape": [ROUTED, HIDDEN, FFN, EXPERTS], "torch": torch.__version__,
            "device": torch.cuda.get_device_name(), "rounds": ROUNDS}
-    from te_fused_moe.bench_recipes import _call_under
-
     half = replace(W.default_config(True), block_t=W.HALF_SLOT)
     slot = _call_under(W.__name__, dict(VALUES_HALF_SLOT=False), lambda: W.default_config(True))
     for name, (n, k) in SHAPES.items():

@@ -87,10 +87,11 @@ def build_gluon_sm90(fn, types: dict, consts: dict, num_warps: int, maxnreg=None
 def analyze(k) -> dict:
     """A compiled kernel's stack (spill) bytes, its registers per thread, its SASS instruction count, its
     IEEE division slow-path checks (``fchk``) and FP32 -> FP8x2 conversions (``f2fp``), its proxy fences
-    (``fence_async``), its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma counts, its warp-level 16-bit MMAs (``hmma``: mma.sync), how many FP8 wgmmas share
-    a commit group with the next one (``qgmma_grouped``: 0 when ptxas serialised them) and the waits that
-    leave one group in flight (``wait_le1``), its dynamic shared memory bytes and, when it has wgmma,
-    whether its K loop was found and the spill loads/stores inside it; the scalar int32 loads in its TTGIR."""
+    (``fence_async``), its FP8 (``qgmma``) and 16-bit (``hgmma``) wgmma counts, its warp-level 16-bit MMAs
+    (``hmma``: mma.sync), how many FP8 wgmmas share a commit group with the next one (``qgmma_grouped``: 0 when
+    ptxas serialised them) and the waits that leave one group in flight (``wait_le1``), its dynamic shared memory
+    bytes and, when it has wgmma, whether its K loop was found and the spill loads/stores inside it; the scalar
+    int32 loads in its TTGIR."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:

@@ -100,9 +100,10 @@ CASE_FLAGS = {"-bf16w": {"BF16_WEIGHT_VALUES": True}, "-kloop": {"EXPAND_BEFORE_
 QUANTIZE_CASE_FLAGS = {"-rhtmma": {"RHT_TENSOR_CORES": True}}
 
 
-def case_flags(case_id: str) -> dict:
-    """The ``nvfp4.autograd`` flags a case id's suffix sets (:data:`CASE_FLAGS`)."""
-    return {name: value for suffix, named in CASE_FLAGS.items() if case_id.endswith(suffix)
+def case_flags(case_id: str, table: dict = CASE_FLAGS) -> dict:
+    """The flags a case id's suffix sets: of ``nvfp4.autograd`` (:data:`CASE_FLAGS`) or of the module whose table is
+    given (:data:`QUANTIZE_CASE_FLAGS`)."""
+    return {name: value for suffix, named in table.items() if case_id.endswith(suffix)
             for name, value in named.items()}
 
 
@@ -496,10 +497,8 @@ def run_mlp_case(case, device: str, poison: bool = True, triton_context=None) ->
     library_flags = dict(values_wgrad=lambda *args: calls.append(1) or values_wgrad(*args))
     if case[0].endswith("-cublaswgrad") and device == "cpu":
         library_flags["runs_on"] = lambda like: True
-    quantize_flags = {name: value for suffix, named in QUANTIZE_CASE_FLAGS.items() if case[0].endswith(suffix)
-                      for name, value in named.items()}
     with _module_flags(autograd.__name__, flags), _module_flags(library_wgrad.__name__, library_flags), \
-            _module_flags(quantize.__name__, quantize_flags):
+            _module_flags(quantize.__name__, case_flags(case[0], QUANTIZE_CASE_FLAGS)):
         res = compare_with_reference(p, recipe, act, dy, frozen, alloc, h_fp32, gemm, tma, triton_context)
     res["seed"], res["library_wgrads"] = seed, len(calls)  # wgrads that ran on torch._grouped_mm
     return res
@@ -786,7 +785,8 @@ def sm90_build_report() -> dict:
         report[label] = build(Q.quantize_weight_kernel, dict(w_ptr="*bf16", amax_ptr="*fp32", q_ptr="*u8", s_ptr="*u8",
                                                              qt_ptr="*u8", st_ptr="*u8"),
                               dict(TRANSPOSED=True, BLOCK_2D=True, BLK=128, CODES_T_FROM_CODES=codes_t))
-    expand_ptrs = dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16", amax_a_ptr="*fp32", amax_b_ptr="*fp32", sched_ptr="*i32")
+    expand_ptrs = dict(q_ptr="*u8", s_ptr="*u8", v_ptr="*bf16", amax_a_ptr="*fp32", amax_b_ptr="*fp32",
+                       sched_ptr="*i32")
     for scaled in (False, True):  # the columnwise values with the tensor scales (autograd.VALUES_WGRAD_KERNEL "cublas")
         report["expand_scaled" if scaled else "expand"] = build(Q.expand_kernel, expand_ptrs,
                                                                 dict(UPCAST=False, BLK=128, TENSOR_SCALES=scaled))

@@ -78,7 +78,8 @@ def gemm_weight(w, expand: bool, transposed: bool):
 
 
 def weight_grad(gq, xq, schedule, w: torch.Tensor, expand: bool) -> torch.Tensor:
-    """``dW [E, N, K]`` of the columnwise copies of ``gq`` [T, N] and ``xq`` [T, K] (see :data:`VALUES_WGRAD_KERNEL`)."""
+    """``dW [E, N, K]`` of the columnwise copies of ``gq`` [T, N] and ``xq`` [T, K] (where: see
+    :data:`VALUES_WGRAD_KERNEL`)."""
     if expand and VALUES_WGRAD_KERNEL == "cublas" and w.dtype == torch.bfloat16 and library_wgrad.runs_on(w):
         g = with_values(gq, colwise=True, alloc=block_scaled.ALLOC)
         x = with_values(xq, colwise=True, alloc=block_scaled.ALLOC, colwise_scaled_by=(gq, schedule))

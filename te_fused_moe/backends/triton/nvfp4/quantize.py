@@ -62,8 +62,8 @@ QUANT_COLS = 64  # columns per quantize program
 WEIGHT_CODES_TRANSPOSED = True
 # The Hadamard transform of BF16 inputs (x, dy) on BF16 tensor cores (mma.sync: exact products, FP32 sums) instead of
 # FP32 FMAs; FP32 inputs (a, dh) keep the FMAs (their values would round to BF16). Offline sm_90a at 128 x 64 tiles and
-# 8 warps: the RHT amax pass 1160 -> 632 instructions per thread and 163 -> 46 registers; x's quantize pass 3096 -> 2824
-# and 169 -> 96 (dy's, with stochastic rounding, 4152 -> 4080 and 177 -> 128). Opt-in until it has run on a GPU: the
+# 8 warps: the RHT amax pass 1160 -> 632 instructions per thread and 163 -> 46 registers; x's quantize pass 3232 -> 2960
+# and 169 -> 102 (dy's, with stochastic rounding, 4152 -> 4080 and 177 -> 128). Opt-in until it has run on a GPU: the
 # tensor cores' FP32 sums may round differently from the FMA chain's (bit-exact on data whose sums are exact).
 RHT_TENSOR_CORES = False
 # TE's wgrad RHT sign vector as a bit mask (bit i set: sign i is negative)
@@ -274,7 +274,8 @@ def quantize_tiles_kernel(
         tl.store(qs_ptr + rows64[:, None] * stride_qsm + kb[None, :] * stride_qsk, sc, mask=row_ok[:, None])
     if COLWISE:
         if RHT:
-            x = rht_along_rows(x, BM, BK, NEG_MASK, RHT_MMA, UPCAST)  # rows past the group's end are zeros: so is their padding
+            # rows past the group's end are zeros: so is their padding
+            x = rht_along_rows(x, BM, BK, NEG_MASK, RHT_MMA, UPCAST)
         bits_t = tl.zeros((BM, BK), tl.int32)
         if STOCHASTIC:
             if GIVEN_BITS:
@@ -473,9 +474,7 @@ def weight_amax(w: torch.Tensor) -> torch.Tensor:
     rows = w.reshape(e * n, k)
     schedule = build_schedule(torch.full((e,), n, device=w.device, dtype=torch.int32), e * n, TILE)
     amax = torch.zeros(e + 1, device=w.device, dtype=torch.float32)
-    group_amax_kernel[(max_m_tiles(e * n, e, TILE), k // QUANT_COLS)](
-        rows, rows.stride(0), amax, amax, schedule, k, e + 1,
-        RHT_AMAX=False, NEG_MASK=RHT_NEG_MASK, BM=TILE, BK=QUANT_COLS, num_warps=4 if interpreting() else 8)
+    group_amaxes(rows, schedule, e, amax, amax, False, k)
     return amax[:e]
 
 
